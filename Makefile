@@ -1,0 +1,36 @@
+# Two entry points for a newcomer: `make run` and `make test`. Each creates .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The CPU build of torch: on a CPU-only machine plain `pip install torch` pulls a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+PROMPT ?= def fibonacci(n):
+
+.PHONY: run test test-slow lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(VENV)/bin/mci generate --prompt "$(PROMPT)" --max-new-tokens 32
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check mci tests scripts
+	$(PY) -m pytest -q
+
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -m slow
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check mci tests scripts
+	$(PY) -m ruff format --check mci tests scripts
+
+bench: $(VENV)/.installed
+	$(PY) scripts/bench_decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

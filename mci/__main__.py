@@ -1,0 +1,3 @@
+from mci.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""The `mci` command line: `generate`, `plan`, `make-checkpoint`.
+
+User mistakes (bad flags, missing or broken checkpoints) print one line, `mci: error: ...`, and
+exit with code 2; no traceback. Flag names follow SGLang/vLLM where the meaning is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from mci.errors import UserError
+
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "default-model"
+EXIT_USAGE = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is a single line (exit code 2), like every other user error."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise UserError(f"{self.prog}: {message}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", type=Path, default=DEFAULT_MODEL,
+                   help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="activation dtype; auto = the checkpoint's (FP8 weights compute in it)")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from mci.generate import generate
+    from mci.models.loader import load_model
+    from mci.tokenizer import TextTokenizer
+
+    start = time.perf_counter()
+    model = load_model(args.model_path, args.dtype)
+    tokenizer = TextTokenizer.load(args.model_path)
+    load_s = time.perf_counter() - start
+    if args.chat:
+        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    limit = model.cfg.max_position_embeddings
+    if len(prompt_ids) + args.max_new_tokens > limit:
+        raise UserError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens "
+                        f"({args.max_new_tokens}) exceeds the context length {limit}")
+    stops = () if args.ignore_eos else tuple(model.cfg.eos_token_ids)
+    result = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.seed,
+                      args.top_p, args.top_k, stops)
+    print(args.prompt + tokenizer.decode(result.token_ids), flush=True)
+    print(f"[mci] load {load_s:.2f}s | prefill {result.num_prompt_tokens} tokens "
+          f"{result.prefill_tokens_per_s:.1f} tok/s | decode {len(result.token_ids)} tokens "
+          f"{result.decode_tokens_per_s:.1f} tok/s | finish {result.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from mci.config import load_config
+    from mci.plan import format_plan, make_plan, parse_gpus
+
+    source = args.config or args.model_path
+    if source is None:
+        raise UserError("mci plan needs --config FILE or --model-path DIR")
+    cfg = load_config(source)
+    hw = parse_gpus(args.gpus)
+    plan = make_plan(cfg, hw, args.mem_fraction_static, include_mtp=not args.no_mtp)
+    print(format_plan(plan, hw, args.mem_fraction_static))
+    return 0
+
+
+def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from mci.tools.make_checkpoint import PRESETS, make_checkpoint, preset_config
+
+    if args.size not in PRESETS:
+        raise UserError(f"unknown size {args.size!r} (choose {', '.join(PRESETS)})")
+    shard = int(args.shard_size_mb * 2**20) if args.shard_size_mb else None
+    out = make_checkpoint(args.out, preset_config(args.size), seed=args.seed, dtype=args.dtype,
+                          fp8=args.fp8, include_mtp=not args.no_mtp, shard_max_bytes=shard,
+                          config_dialect=args.config_dialect)
+    print(f"wrote {args.size} checkpoint (seed {args.seed}{', fp8' if args.fp8 else ''}) to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="mci", description="mission-critical inference for DeepSeek-V3")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+
+    g = sub.add_parser("generate", help="generate text offline from one prompt")
+    _add_model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    g.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("plan", help="memory plan: weights, KV cache and fit on given GPUs")
+    p.add_argument("--config", type=Path, help="a config.json file")
+    p.add_argument("--model-path", type=Path, help="a checkpoint directory (reads its config.json)")
+    p.add_argument("--gpus", default="8xH200", help="e.g. 8xH200, 8xH100, 16xH100, 8x141GB")
+    p.add_argument("--mem-fraction-static", type=float, default=0.9,
+                   help="fraction of each GPU for weights + KV cache (SGLang's name)")
+    p.add_argument("--no-mtp", action="store_true", help="leave the MTP layer's weights out")
+    p.set_defaults(func=_cmd_plan)
+
+    m = sub.add_parser("make-checkpoint", help="write a seeded random DeepSeek-V3 checkpoint")
+    m.add_argument("--size", default="tiny", help="tiny (~2M params) or small (~108M)")
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    m.add_argument("--fp8", action="store_true", help="FP8 e4m3 with 128x128 block scales")
+    m.add_argument("--no-mtp", action="store_true", help="omit the MTP layer's weights")
+    m.add_argument("--shard-size-mb", type=float, default=None, help="shard into files of this size")
+    m.add_argument("--config-dialect", default="4", choices=["4", "5"],
+                   help="config.json style of transformers 4.x or 5.x")
+    m.set_defaults(func=_cmd_make_checkpoint)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="mci: %(message)s", stream=sys.stderr)
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UserError as exc:
+        print(f"mci: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130

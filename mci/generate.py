@@ -1,0 +1,83 @@
+"""Offline single-sequence generation: prefill the prompt, then decode one token per step.
+
+This is the simplest driver of the model (the engine batches many sequences; see issue 3).
+The sequence owns cache slots 0..L-1, so the metadata for each step is a slice of one arange.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
+from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
+from mci.sampling import sample_next
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """Generated ids (prompt excluded) and the timing of both phases."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    finish_reason: str  # "stop" (EOS) or "length"
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.num_prompt_tokens / max(self.prefill_seconds, 1e-9)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first (which prefill produces) per second of decode steps."""
+        return max(len(self.token_ids) - 1, 0) / max(self.decode_seconds, 1e-9)
+
+
+@torch.inference_mode()
+def generate(
+    model: DeepseekV3ForCausalLM,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: tuple[int, ...] = (),
+    attention_path: str = "auto",
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` after `prompt_ids`, stopping early at a stop token."""
+    if not prompt_ids:
+        raise ValueError("prompt must have at least one token")
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    total = len(prompt_ids) + max_new_tokens
+    device = model.lm_head.weight.device
+    cache = model.allocate_kv_cache(total, device)
+    slots = torch.arange(total, device=device)
+    gen = torch.Generator(device=device)
+    if seed is not None:
+        gen.manual_seed(seed)
+
+    start = time.perf_counter()
+    meta = AttentionMetadata.build([SequenceChunk(slots[: len(prompt_ids)], len(prompt_ids))], device)
+    ids = torch.tensor(prompt_ids, device=device)
+    hidden = model(ids, meta, cache, attention_path)
+    token = sample_next(model.logits(hidden[-1:]), temperature, gen, top_p, top_k)
+    prefill_s = time.perf_counter() - start
+
+    out = [int(token)]
+    finish = "stop" if out[-1] in stop_token_ids else "length"
+    start = time.perf_counter()
+    length = len(prompt_ids)
+    while finish == "length" and len(out) < max_new_tokens:
+        length += 1
+        meta = AttentionMetadata.build([SequenceChunk(slots[:length], 1)], device)
+        hidden = model(token, meta, cache, attention_path)
+        token = sample_next(model.logits(hidden), temperature, gen, top_p, top_k)
+        out.append(int(token))
+        if out[-1] in stop_token_ids:
+            finish = "stop"
+    return GenerationResult(out, len(prompt_ids), prefill_s, time.perf_counter() - start, finish)

@@ -1,0 +1,124 @@
+"""DeepSeekMoE: a sigmoid router with group-limited top-k, batched routed experts, shared experts.
+
+Routing (DeepSeek-V3, `topk_method="noaux_tc"`):
+  scores      = sigmoid(x W_gate^T)                       [T, E], float32
+  choice      = scores + e_score_correction_bias          bias picks experts, never weights them
+  group score = sum of the top-2 `choice` values in each of `n_group` groups
+  keep the `topk_group` best groups, take the top `num_experts_per_tok` experts inside them
+  weights     = scores at the chosen experts, / their sum if `norm_topk_prob`,
+                times `routed_scaling_factor`
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mci.config import ModelConfig
+from mci.layers.linear import FP8_DTYPE, dequantize_fp8_blocks
+from mci.layers.mlp import GatedMLP
+
+
+class TopKRouter(nn.Module):
+    """Chooses experts per token; the gate weight and bias are kept in float32."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts = cfg.n_routed_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size), False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts), False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (weights [T, K] float32, expert ids [T, K] int64)."""
+        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(x.shape[0], self.n_group, -1)  # [T, G, E/G]
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+            keep = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view_as(choice)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices  # [T, K]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class StackedExpertLinear(nn.Module):
+    """One projection of every routed expert, stacked: weight [E, out, in] (+ fp8 block scales)."""
+
+    def __init__(self, num_experts: int, in_f: int, out_f: int, dtype: torch.dtype, fp8_block):
+        super().__init__()
+        self.block = fp8_block
+        wdtype = FP8_DTYPE if fp8_block else dtype
+        self.weight = nn.Parameter(torch.empty(num_experts, out_f, in_f, dtype=wdtype), False)
+        if fp8_block:
+            bo, bi = fp8_block
+            shape = (num_experts, -(-out_f // bo), -(-in_f // bi))
+            self.weight_scale_inv = nn.Parameter(torch.empty(shape, dtype=torch.float32), False)
+
+    def expert_weight(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """[out, in] of one expert in `dtype` (dequantised on the fly when stored as fp8)."""
+        if self.block is None:
+            return self.weight[expert]
+        return dequantize_fp8_blocks(self.weight[expert], self.weight_scale_inv[expert], self.block, dtype)
+
+
+class RoutedExperts(nn.Module):
+    """All routed experts; tokens are sorted by expert and each expert runs one matmul batch."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block):
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = StackedExpertLinear(e, h, i, dtype, fp8_block)
+        self.up_proj = StackedExpertLinear(e, h, i, dtype, fp8_block)
+        self.down_proj = StackedExpertLinear(e, i, h, dtype, fp8_block)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, H], weights/ids: [T, K] -> sum_k weights[t,k] * expert_{ids[t,k]}(x[t])."""
+        top_k = ids.shape[1]
+        flat_ids = ids.flatten()  # [T*K]
+        order = flat_ids.argsort(stable=True)  # assignments grouped by expert
+        token_idx = order // top_k  # [T*K] token of each sorted assignment
+        counts = torch.bincount(flat_ids, minlength=self.gate_proj.weight.shape[0]).tolist()
+        x_sorted = x[token_idx]  # [T*K, H]
+        out_sorted = torch.empty_like(x_sorted)
+        start = 0
+        # One iteration per *active expert* (at most E), never per token.
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            seg = x_sorted[start : start + count]
+            gate = F.linear(seg, self.gate_proj.expert_weight(expert, x.dtype))
+            up = F.linear(seg, self.up_proj.expert_weight(expert, x.dtype))
+            down = self.down_proj.expert_weight(expert, x.dtype)
+            out_sorted[start : start + count] = F.linear(F.silu(gate) * up, down)
+            start += count
+        scaled = (out_sorted.float() * weights.flatten()[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_idx, scaled)
+
+
+class MoE(nn.Module):
+    """Routed experts plus always-on shared experts; x: [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block):
+        super().__init__()
+        self.gate = TopKRouter(cfg)
+        self.experts = RoutedExperts(cfg, dtype, fp8_block)
+        self.shared_experts = None
+        if cfg.n_shared_experts:
+            inter = cfg.moe_intermediate_size * cfg.n_shared_experts
+            self.shared_experts = GatedMLP(cfg.hidden_size, inter, dtype, fp8_block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

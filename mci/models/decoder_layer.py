@@ -1,0 +1,29 @@
+"""One DeepSeek-V3 decoder block: MLA attention, then a dense MLP or DeepSeekMoE."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mci.config import ModelConfig
+from mci.layers.attention import MultiHeadLatentAttention
+from mci.layers.mlp import GatedMLP
+from mci.layers.moe import MoE
+from mci.layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + ffn(norm(h)); the ffn is dense or MoE."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool, dtype: torch.dtype):
+        super().__init__()
+        fp8 = cfg.fp8.block_size if cfg.fp8 else None
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = MultiHeadLatentAttention(cfg, dtype, fp8)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MoE(cfg, dtype, fp8) if moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8)
+
+    def forward(self, x, meta, rope_cos_sin, kv_cache, absorbed: bool) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]; kv_cache: [num_slots, latent_dim] of this layer."""
+        x = x + self.self_attn(self.input_layernorm(x), meta, rope_cos_sin, kv_cache, absorbed)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,116 @@
+"""DeepSeek-V3 for causal LM: MLA attention, dense then DeepSeekMoE feed-forward, MTP heads.
+
+Module names mirror the checkpoint's tensor names (see `mci.models.layout`), except that routed
+experts are stacked per projection (`mlp.experts.gate_proj.weight[e]`) and the MTP modules,
+stored as `model.layers.{num_hidden_layers + k}`, live at `mtp.{k}`.
+
+The forward pass works on a flat batch of new tokens ([T]) from any number of sequences; the
+attention metadata says where each sits in the latent KV cache (`mci.layers.attention_metadata`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mci.config import ModelConfig
+from mci.layers.attention import choose_absorbed
+from mci.layers.attention_metadata import AttentionMetadata
+from mci.layers.norm import RMSNorm
+from mci.layers.rotary import RotaryEmbedding
+from mci.models.decoder_layer import DecoderLayer
+from mci.models.mtp import MTPLayer
+
+
+class DeepseekV3Backbone(nn.Module):
+    """Embeddings, decoder layers and the final norm (named `model` like the checkpoint)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, _freeze=True)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, cfg.is_moe_layer(i), dtype) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """The full model. `forward` returns final-norm hidden states; `logits` applies lm_head.
+
+    KV cache layout: one tensor [num_cache_layers, num_slots, kv_lora_rank + qk_rope_head_dim];
+    layer i of the main model uses row i, MTP module k uses row num_hidden_layers + k.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.model = DeepseekV3Backbone(cfg, dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.lm_head.weight.requires_grad_(False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+        num_mtp = cfg.num_mtp_layers if with_mtp else 0
+        self.mtp = nn.ModuleList(MTPLayer(cfg, dtype) for _ in range(num_mtp))
+
+    @property
+    def num_cache_layers(self) -> int:
+        return self.cfg.num_hidden_layers + len(self.mtp)
+
+    def allocate_kv_cache(self, num_slots: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Zeroed latent cache for `num_slots` tokens: [num_cache_layers, num_slots, latent_dim]."""
+        shape = (self.num_cache_layers, num_slots, self.cfg.kv_latent_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=device)
+
+    def rope_for(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, rope/2] for the step's positions, computed once and shared by all layers."""
+        return self.rotary.cos_sin(meta.positions, meta.max_position)
+
+    def resolve_path(self, meta: AttentionMetadata, attention_path: str) -> bool:
+        if attention_path == "auto":
+            return choose_absorbed(self.cfg, meta)
+        if attention_path not in ("absorbed", "expanded"):
+            raise ValueError(f"attention_path must be auto|absorbed|expanded, got {attention_path!r}")
+        return attention_path == "absorbed"
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        attention_path: str = "auto",
+    ) -> torch.Tensor:
+        """input_ids: [T] -> final-norm hidden states [T, hidden]; writes the T latents per layer."""
+        absorbed = self.resolve_path(meta, attention_path)
+        rope = self.rope_for(meta)
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, meta, rope, kv_cache[i], absorbed)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def mtp_forward(
+        self,
+        k: int,
+        next_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        attention_path: str = "auto",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run MTP module k: hidden of position i plus token i+1 -> (hidden', logits for i+2).
+
+        next_ids: [T], hidden: [T, hidden] (final-norm states of the previous depth, as vLLM and
+        SGLang feed them); `meta` has the same positions as the hidden states.
+        """
+        absorbed = self.resolve_path(meta, attention_path)
+        layer = self.mtp[k]
+        out = layer(next_ids, hidden, meta, self.rope_for(meta), kv_cache[self.cfg.num_hidden_layers + k], absorbed)
+        return out, layer.logits(out)

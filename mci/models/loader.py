@@ -1,0 +1,137 @@
+"""Load a Hugging Face DeepSeek-V3 checkpoint directory into `DeepseekV3ForCausalLM`.
+
+Only safetensors are read (never pickle), through `safe_open`, which memory-maps each file:
+tensors are copied one at a time into preallocated parameters, so peak memory is the model
+plus one tensor. Before any data is read, every tensor's name, shape and dtype is checked
+against the layout the config implies (`mci.models.layout`); any disagreement is a
+`CheckpointError` naming the tensor.
+
+FP8 tensors stay FP8; unquantised tensors are converted to the compute dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mci.config import ModelConfig, load_config
+from mci.errors import CheckpointError, UserError
+from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
+from mci.models.layout import checkpoint_layout, mtp_prefixes
+
+log = logging.getLogger("mci")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+_proj\.\w+)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+
+
+def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
+    """`auto` means the checkpoint's own dtype (bf16 for FP8 checkpoints: they compute in bf16)."""
+    key = cfg.torch_dtype if name == "auto" else name
+    if key not in DTYPES:
+        raise UserError(f"unsupported dtype {name!r} (choose auto, bfloat16, float16 or float32)")
+    return DTYPES[key]
+
+
+def find_weight_files(path: Path) -> dict[str, Path]:
+    """Map each tensor name to its safetensors file (sharded via the index, or single-file)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is malformed: {exc}") from None
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in set(files.values()):
+            if not file.exists():
+                raise CheckpointError(f"{index.name} names {file.name}, which does not exist")
+        return files
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+            raise CheckpointError(f"{path} holds only pickle weights; mci loads safetensors only")
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    return {name: file for file in shards for name in _read_header(file)}
+
+
+def _read_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, safetensors dtype) without reading tensor data."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            out = {}
+            for name in f.keys():
+                sl = f.get_slice(name)
+                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
+            return out
+    except Exception as exc:  # safetensors raises several types for a damaged file
+        raise CheckpointError(f"corrupted safetensors file {file.name}: {exc}") from None
+
+
+def checkpoint_to_param(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
+    """Checkpoint tensor name -> (parameter name in our model, expert index or None)."""
+    m = _LAYER.match(name)
+    if m and int(m.group(1)) >= cfg.num_hidden_layers:
+        name = f"mtp.{int(m.group(1)) - cfg.num_hidden_layers}.{m.group(2)}"
+    m = _EXPERT.match(name)
+    if m:
+        return f"{m.group(1)}.{m.group(3)}", int(m.group(2))
+    return name, None
+
+
+def load_model(
+    path: str | Path, dtype: str = "auto", device: str = "cpu"
+) -> DeepseekV3ForCausalLM:
+    """Validate and load the checkpoint at `path`; returns the model in eval mode."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"model directory {path} does not exist")
+    cfg = load_config(path)
+    compute_dtype = resolve_dtype(dtype, cfg)
+    files = find_weight_files(path)
+    headers: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in sorted(set(files.values())):
+        headers.update(_read_header(file))
+
+    expected = {s.name: s for s in checkpoint_layout(cfg, include_mtp=True)}
+    mtp_names = {n for n in expected if n.startswith(tuple(p + "." for p in mtp_prefixes(cfg)))}
+    with_mtp = bool(mtp_names) and any(n in headers for n in mtp_names)
+    if mtp_names and not with_mtp:
+        log.warning(
+            "config declares %d MTP layer(s) but the checkpoint has no MTP weights; "
+            "loading without MTP",
+            cfg.num_mtp_layers,
+        )
+        expected = {n: s for n, s in expected.items() if n not in mtp_names}
+    missing = [n for n in expected if n not in headers]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
+    for name, (shape, st_dtype) in headers.items():
+        spec = expected.get(name)
+        if spec is None:
+            raise CheckpointError(f"unexpected tensor {name} in checkpoint")
+        if shape != spec.shape:
+            raise CheckpointError(f"tensor {name} has shape {list(shape)}, expected {list(spec.shape)}")
+        if (spec.dtype == "F8_E4M3") != (st_dtype == "F8_E4M3"):
+            raise CheckpointError(f"tensor {name} has dtype {st_dtype}, expected {spec.dtype}")
+
+    with torch.device("cpu"):
+        model = DeepseekV3ForCausalLM(cfg, compute_dtype, with_mtp=with_mtp)
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in sorted(by_file.items()):
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                target, expert = checkpoint_to_param(name, cfg)
+                dst = params[target] if expert is None else params[target][expert]
+                dst.copy_(f.get_tensor(name))
+    model.eval()
+    return model.to(device)
