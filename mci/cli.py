@@ -46,10 +46,18 @@ def _non_negative_float(text: str) -> float:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-path", type=Path, default=DEFAULT_MODEL,
-                   help="checkpoint directory (default: the bundled model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="activation dtype; auto = the checkpoint's (FP8 weights compute in it)")
+    p.add_argument(
+        "--model-path",
+        type=Path,
+        default=DEFAULT_MODEL,
+        help="checkpoint directory (default: the bundled model)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="activation dtype; auto = the checkpoint's (FP8 weights compute in it)",
+    )
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -67,15 +75,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(args.prompt)
     limit = model.cfg.max_position_embeddings
     if len(prompt_ids) + args.max_new_tokens > limit:
-        raise UserError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens "
-                        f"({args.max_new_tokens}) exceeds the context length {limit}")
+        raise UserError(
+            f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens "
+            f"({args.max_new_tokens}) exceeds the context length {limit}"
+        )
     stops = () if args.ignore_eos else tuple(model.cfg.eos_token_ids)
-    result = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.seed,
-                      args.top_p, args.top_k, stops)
+    result = generate(
+        model,
+        prompt_ids,
+        args.max_new_tokens,
+        args.temperature,
+        args.seed,
+        args.top_p,
+        args.top_k,
+        stops,
+    )
     print(args.prompt + tokenizer.decode(result.token_ids), flush=True)
-    print(f"[mci] load {load_s:.2f}s | prefill {result.num_prompt_tokens} tokens "
-          f"{result.prefill_tokens_per_s:.1f} tok/s | decode {len(result.token_ids)} tokens "
-          f"{result.decode_tokens_per_s:.1f} tok/s | finish {result.finish_reason}", file=sys.stderr)
+    print(
+        f"[mci] load {load_s:.2f}s | prefill {result.num_prompt_tokens} tokens "
+        f"{result.prefill_tokens_per_s:.1f} tok/s | decode {len(result.token_ids)} tokens "
+        f"{result.decode_tokens_per_s:.1f} tok/s | finish {result.finish_reason}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -99,9 +120,16 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
     if args.size not in PRESETS:
         raise UserError(f"unknown size {args.size!r} (choose {', '.join(PRESETS)})")
     shard = int(args.shard_size_mb * 2**20) if args.shard_size_mb else None
-    out = make_checkpoint(args.out, preset_config(args.size), seed=args.seed, dtype=args.dtype,
-                          fp8=args.fp8, include_mtp=not args.no_mtp, shard_max_bytes=shard,
-                          config_dialect=args.config_dialect)
+    out = make_checkpoint(
+        args.out,
+        preset_config(args.size),
+        seed=args.seed,
+        dtype=args.dtype,
+        fp8=args.fp8,
+        include_mtp=not args.no_mtp,
+        shard_max_bytes=shard,
+        config_dialect=args.config_dialect,
+    )
     print(f"wrote {args.size} checkpoint (seed {args.seed}{', fp8' if args.fp8 else ''}) to {out}")
     return 0
 
@@ -126,8 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="a config.json file")
     p.add_argument("--model-path", type=Path, help="a checkpoint directory (reads its config.json)")
     p.add_argument("--gpus", default="8xH200", help="e.g. 8xH200, 8xH100, 16xH100, 8x141GB")
-    p.add_argument("--mem-fraction-static", type=float, default=0.9,
-                   help="fraction of each GPU for weights + KV cache (SGLang's name)")
+    p.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.9,
+        help="fraction of each GPU for weights + KV cache (SGLang's name)",
+    )
     p.add_argument("--no-mtp", action="store_true", help="leave the MTP layer's weights out")
     p.set_defaults(func=_cmd_plan)
 
@@ -138,9 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     m.add_argument("--fp8", action="store_true", help="FP8 e4m3 with 128x128 block scales")
     m.add_argument("--no-mtp", action="store_true", help="omit the MTP layer's weights")
-    m.add_argument("--shard-size-mb", type=float, default=None, help="shard into files of this size")
-    m.add_argument("--config-dialect", default="4", choices=["4", "5"],
-                   help="config.json style of transformers 4.x or 5.x")
+    m.add_argument(
+        "--shard-size-mb", type=float, default=None, help="shard into files of this size"
+    )
+    m.add_argument(
+        "--config-dialect",
+        default="4",
+        choices=["4", "5"],
+        help="config.json style of transformers 4.x or 5.x",
+    )
     m.set_defaults(func=_cmd_make_checkpoint)
     return parser
 

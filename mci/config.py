@@ -156,7 +156,9 @@ class ModelConfig:
         if rope_type == "default":
             rope = {}
         if dialect == "4":
-            d.update(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=self.moe_layer_freq)
+            d.update(
+                topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=self.moe_layer_freq
+            )
             d["rope_theta"] = theta
             d["rope_scaling"] = {"type": rope_type, **rope} if rope else None
         elif dialect == "5":
@@ -287,7 +289,9 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         raise ConfigError(f"config.json has a malformed field: {exc}") from None
     if n_routed:
         if n_routed % cfg.n_group or cfg.topk_group > cfg.n_group:
-            raise ConfigError("n_routed_experts must divide into n_group groups, topk_group <= n_group")
+            raise ConfigError(
+                "n_routed_experts must divide into n_group groups, topk_group <= n_group"
+            )
         if cfg.num_experts_per_tok > (n_routed // cfg.n_group) * cfg.topk_group:
             raise ConfigError("num_experts_per_tok exceeds the experts in the selected groups")
     return cfg

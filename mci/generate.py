@@ -62,7 +62,9 @@ def generate(
         gen.manual_seed(seed)
 
     start = time.perf_counter()
-    meta = AttentionMetadata.build([SequenceChunk(slots[: len(prompt_ids)], len(prompt_ids))], device)
+    meta = AttentionMetadata.build(
+        [SequenceChunk(slots[: len(prompt_ids)], len(prompt_ids))], device
+    )
     ids = torch.tensor(prompt_ids, device=device)
     hidden = model(ids, meta, cache, attention_path)
     token = sample_next(model.logits(hidden[-1:]), temperature, gen, top_p, top_k)

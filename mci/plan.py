@@ -26,9 +26,24 @@ from mci.models.layout import TensorSpec, checkpoint_layout
 
 GPU_BYTES = {"H100": 80 * 10**9, "H200": 141 * 10**9, "B200": 180 * 10**9, "A100": 80 * 10**9}
 
-_REPLICATED_UNDER_TP = ("layernorm", "norm.weight", "mlp.gate.", "q_a_proj", "kv_a_proj_with_mqa", "eh_proj")
-_REPLICATED_UNDER_DP = ("self_attn.", "embed_tokens", "lm_head", "shared_head", "eh_proj", "norm",
-                        "shared_experts.", "mlp.gate.")
+_REPLICATED_UNDER_TP = (
+    "layernorm",
+    "norm.weight",
+    "mlp.gate.",
+    "q_a_proj",
+    "kv_a_proj_with_mqa",
+    "eh_proj",
+)
+_REPLICATED_UNDER_DP = (
+    "self_attn.",
+    "embed_tokens",
+    "lm_head",
+    "shared_head",
+    "eh_proj",
+    "norm",
+    "shared_experts.",
+    "mlp.gate.",
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +57,9 @@ class Hardware:
 
 def parse_gpus(spec: str) -> Hardware:
     """'8xH200', '16xH100', '8x141GB', '4x80GiB' or '4x80' (GiB)."""
-    m = re.fullmatch(r"\s*(\d+)\s*[x×*]\s*([A-Za-z]\d+|[\d.]+)\s*(GiB|GB|G)?\s*", spec, re.IGNORECASE)
+    m = re.fullmatch(
+        r"\s*(\d+)\s*[x×*]\s*([A-Za-z]\d+|[\d.]+)\s*(GiB|GB|G)?\s*", spec, re.IGNORECASE
+    )
     if not m:
         raise UserError(f"bad --gpus {spec!r}: use e.g. 8xH200, 16xH100 or 8x141GB")
     count, what, unit = int(m.group(1)), m.group(2), (m.group(3) or "GiB").lower()
@@ -100,7 +117,10 @@ def _dp_ep_bytes(spec: TensorSpec, n: int) -> float:
 
 
 def make_plan(
-    cfg: ModelConfig, hw: Hardware, mem_fraction: float = 0.9, kv_dtype_bytes: int = 2,
+    cfg: ModelConfig,
+    hw: Hardware,
+    mem_fraction: float = 0.9,
+    kv_dtype_bytes: int = 2,
     include_mtp: bool = True,
 ) -> Plan:
     """Weights, KV bytes and KV capacity of `cfg` on `hw` at `mem_fraction` of each GPU."""
@@ -135,25 +155,39 @@ def make_plan(
 def format_plan(plan: Plan, hw: Hardware, mem_fraction: float) -> str:
     """The human-readable report printed by `mci plan`."""
     gb = 1e9
-    lines = [f"weights: {plan.weight_bytes:,} bytes ({plan.weight_bytes / gb:.2f} GB) in "
-             f"{plan.num_tensors:,} tensors"]
+    lines = [
+        f"weights: {plan.weight_bytes:,} bytes ({plan.weight_bytes / gb:.2f} GB) in "
+        f"{plan.num_tensors:,} tensors"
+    ]
     for dtype, nbytes in sorted(plan.weight_bytes_by_dtype.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {dtype:8s} {nbytes:>20,} bytes")
-    lines.append(f"KV cache (MLA latent): {plan.kv_bytes_per_token:,} bytes/token "
-                 f"({plan.kv_bytes_per_token_mtp:,} with the MTP layer for speculative decoding)")
-    lines.append(f"hardware: {hw.count} x {hw.bytes_per_gpu / gb:.1f} GB; budget at "
-                 f"mem fraction {mem_fraction}: {plan.budget_bytes_per_gpu / gb:.2f} GB per GPU")
-    lines.append(f"{'layout':28s} {'weights/GPU':>14s} {'KV room/GPU':>14s} {'KV tokens/GPU':>14s} "
-                 f"{'KV tokens total':>16s}")
+    lines.append(
+        f"KV cache (MLA latent): {plan.kv_bytes_per_token:,} bytes/token "
+        f"({plan.kv_bytes_per_token_mtp:,} with the MTP layer for speculative decoding)"
+    )
+    lines.append(
+        f"hardware: {hw.count} x {hw.bytes_per_gpu / gb:.1f} GB; budget at "
+        f"mem fraction {mem_fraction}: {plan.budget_bytes_per_gpu / gb:.2f} GB per GPU"
+    )
+    lines.append(
+        f"{'layout':28s} {'weights/GPU':>14s} {'KV room/GPU':>14s} {'KV tokens/GPU':>14s} "
+        f"{'KV tokens total':>16s}"
+    )
     for lp in plan.layouts:
-        lines.append(f"{lp.name:28s} {lp.weight_bytes_per_gpu / gb:>11.2f} GB "
-                     f"{lp.kv_room_bytes_per_gpu / gb:>11.2f} GB {lp.kv_tokens_per_gpu:>14,} "
-                     f"{lp.kv_tokens_total:>16,}")
+        lines.append(
+            f"{lp.name:28s} {lp.weight_bytes_per_gpu / gb:>11.2f} GB "
+            f"{lp.kv_room_bytes_per_gpu / gb:>11.2f} GB {lp.kv_tokens_per_gpu:>14,} "
+            f"{lp.kv_tokens_total:>16,}"
+        )
     best = max(plan.layouts, key=lambda lp: lp.kv_tokens_total)
     if best.fits:
-        lines.append(f"verdict: FITS — best layout {best.name} with {best.kv_tokens_total:,} KV tokens")
+        lines.append(
+            f"verdict: FITS — best layout {best.name} with {best.kv_tokens_total:,} KV tokens"
+        )
     else:
         short = -max(lp.kv_room_bytes_per_gpu for lp in plan.layouts)
-        lines.append(f"verdict: DOES NOT FIT — weights exceed the per-GPU budget by {short / gb:.2f} GB; "
-                     "use more or larger GPUs")
+        lines.append(
+            f"verdict: DOES NOT FIT — weights exceed the per-GPU budget by {short / gb:.2f} GB; "
+            "use more or larger GPUs"
+        )
     return "\n".join(lines)

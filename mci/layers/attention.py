@@ -34,8 +34,12 @@ def choose_absorbed(cfg: ModelConfig, meta: AttentionMetadata) -> bool:
     """True when the absorbed path costs fewer multiply-adds than the expanded one."""
     h, c, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
-    absorbed = meta.sum_query_len * h * c * (nope + v) + meta.sum_query_times_context * h * (2 * c + r)
-    expanded = meta.sum_context * h * c * (nope + v) + meta.sum_query_times_context * h * (nope + r + v)
+    absorbed = meta.sum_query_len * h * c * (nope + v) + meta.sum_query_times_context * h * (
+        2 * c + r
+    )
+    expanded = meta.sum_context * h * c * (nope + v) + meta.sum_query_times_context * h * (
+        nope + r + v
+    )
     return absorbed <= expanded
 
 
@@ -45,7 +49,11 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
-        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.nope, self.rope_dim, self.v_dim = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        )
         self.kv_lora_rank = cfg.kv_lora_rank
         self.scale = cfg.softmax_scale
         self.interleave = cfg.rope_interleave
@@ -58,7 +66,9 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_b_proj = make_linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype, fp8_block)
         self.kv_a_proj_with_mqa = make_linear(hidden, cfg.kv_latent_dim, dtype, fp8_block)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
-        self.kv_b_proj = make_linear(cfg.kv_lora_rank, h * (self.nope + self.v_dim), dtype, fp8_block)
+        self.kv_b_proj = make_linear(
+            cfg.kv_lora_rank, h * (self.nope + self.v_dim), dtype, fp8_block
+        )
         self.o_proj = make_linear(h * self.v_dim, hidden, dtype, fp8_block)
 
     def forward(
@@ -137,6 +147,10 @@ class MultiHeadLatentAttention(nn.Module):
         q = self._pad(torch.cat((q_nope, q_rope), dim=-1), meta)  # [B, Q, H, nope + rope]
         mask = None if meta.mask is None else meta.mask[:, None]  # [B, 1, Q, L]
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scale,
         )  # [B, H, Q, v]
         return self._unpad(out.transpose(1, 2), meta)  # [T, H, v]

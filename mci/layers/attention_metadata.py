@@ -54,7 +54,7 @@ class AttentionMetadata:
 
     @staticmethod
     def build(chunks: list[SequenceChunk], device: torch.device | str = "cpu") -> AttentionMetadata:
-        """Build the step's tensors from per-sequence slot tensors (Python work is O(B), not O(T))."""
+        """Build the step's tensors from per-sequence slot tensors (Python work is O(B))."""
         batch = len(chunks)
         q_lens = [c.num_new for c in chunks]
         ctx_lens = [int(c.kv_slots.shape[0]) for c in chunks]
@@ -74,7 +74,9 @@ class AttentionMetadata:
                 kv_slots[b, : ctx_lens[b]] = c.kv_slots
             write_slots = torch.cat([c.kv_slots[-c.num_new :] for c in chunks])
             positions = torch.cat([torch.arange(l - q, l) for q, l in zip(q_lens, ctx_lens)])
-            padded_pos = torch.cat([torch.arange(b * max_q, b * max_q + q) for b, q in enumerate(q_lens)])
+            padded_pos = torch.cat(
+                [torch.arange(b * max_q, b * max_q + q) for b, q in enumerate(q_lens)]
+            )
         mask = None
         if max_q > 1 or min(ctx_lens) != max_l:
             q_lens_t, ctx_t = torch.tensor(q_lens), torch.tensor(ctx_lens)

@@ -67,7 +67,9 @@ class StackedExpertLinear(nn.Module):
         """[out, in] of one expert in `dtype` (dequantised on the fly when stored as fp8)."""
         if self.block is None:
             return self.weight[expert]
-        return dequantize_fp8_blocks(self.weight[expert], self.weight_scale_inv[expert], self.block, dtype)
+        return dequantize_fp8_blocks(
+            self.weight[expert], self.weight_scale_inv[expert], self.block, dtype
+        )
 
 
 class RoutedExperts(nn.Module):

@@ -76,13 +76,17 @@ class RotaryEmbedding(nn.Module):
         self.cos_table = freqs.cos() * self.attention_factor
         self.sin_table = freqs.sin() * self.attention_factor
 
-    def cos_sin(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, max_position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] -> (cos [T, dim/2], sin [T, dim/2]); `max_position` bounds positions."""
         self._ensure(max_position + 1)
         return self.cos_table[positions], self.sin_table[positions]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+) -> torch.Tensor:
     """Rotate x: [T, ..., dim] by per-token angles cos/sin: [T, dim/2] (broadcast over heads).
 
     Interleaved checkpoints pair dims (0,1), (2,3), ...; the others pair (i, i + dim/2). Both

@@ -21,7 +21,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = MultiHeadLatentAttention(cfg, dtype, fp8)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MoE(cfg, dtype, fp8) if moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8)
+        self.mlp = (
+            MoE(cfg, dtype, fp8)
+            if moe
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8)
+        )
 
     def forward(self, x, meta, rope_cos_sin, kv_cache, absorbed: bool) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]; kv_cache: [num_slots, latent_dim] of this layer."""

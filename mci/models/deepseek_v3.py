@@ -71,7 +71,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         if attention_path == "auto":
             return choose_absorbed(self.cfg, meta)
         if attention_path not in ("absorbed", "expanded"):
-            raise ValueError(f"attention_path must be auto|absorbed|expanded, got {attention_path!r}")
+            raise ValueError(
+                f"attention_path must be auto|absorbed|expanded, got {attention_path!r}"
+            )
         return attention_path == "absorbed"
 
     @torch.inference_mode()
@@ -82,7 +84,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
         attention_path: str = "auto",
     ) -> torch.Tensor:
-        """input_ids: [T] -> final-norm hidden states [T, hidden]; writes the T latents per layer."""
+        """input_ids: [T] -> final-norm hidden states [T, hidden]; writes T latents per layer."""
         absorbed = self.resolve_path(meta, attention_path)
         rope = self.rope_for(meta)
         x = self.model.embed_tokens(input_ids)
@@ -110,7 +112,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         next_ids: [T], hidden: [T, hidden] (final-norm states of the previous depth, as vLLM and
         SGLang feed them); `meta` has the same positions as the hidden states.
         """
+        if not 0 <= k < len(self.mtp):
+            raise ValueError(f"MTP module {k} is not loaded (this model has {len(self.mtp)})")
         absorbed = self.resolve_path(meta, attention_path)
         layer = self.mtp[k]
-        out = layer(next_ids, hidden, meta, self.rope_for(meta), kv_cache[self.cfg.num_hidden_layers + k], absorbed)
+        cache_row = kv_cache[self.cfg.num_hidden_layers + k]
+        out = layer(next_ids, hidden, meta, self.rope_for(meta), cache_row, absorbed)
         return out, layer.logits(out)

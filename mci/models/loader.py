@@ -84,9 +84,7 @@ def checkpoint_to_param(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
     return name, None
 
 
-def load_model(
-    path: str | Path, dtype: str = "auto", device: str = "cpu"
-) -> DeepseekV3ForCausalLM:
+def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> DeepseekV3ForCausalLM:
     """Validate and load the checkpoint at `path`; returns the model in eval mode."""
     path = Path(path)
     if not path.is_dir():
@@ -117,7 +115,9 @@ def load_model(
         if spec is None:
             raise CheckpointError(f"unexpected tensor {name} in checkpoint")
         if shape != spec.shape:
-            raise CheckpointError(f"tensor {name} has shape {list(shape)}, expected {list(spec.shape)}")
+            raise CheckpointError(
+                f"tensor {name} has shape {list(shape)}, expected {list(spec.shape)}"
+            )
         if (spec.dtype == "F8_E4M3") != (st_dtype == "F8_E4M3"):
             raise CheckpointError(f"tensor {name} has dtype {st_dtype}, expected {spec.dtype}")
 

@@ -44,7 +44,9 @@ class MTPLayer(DecoderLayer):
         self.eh_proj.weight.requires_grad_(False)
         self.shared_head = SharedHead(cfg, dtype)
 
-    def forward(self, next_ids, hidden, meta, rope_cos_sin, kv_cache, absorbed: bool) -> torch.Tensor:
+    def forward(
+        self, next_ids, hidden, meta, rope_cos_sin, kv_cache, absorbed: bool
+    ) -> torch.Tensor:
         """next_ids: [T], hidden: [T, hidden] -> the block's output [T, hidden]."""
         x = torch.cat((self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)), dim=-1)
         x = self.eh_proj(x)

@@ -24,8 +24,11 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] }}"
     "{% elif message['role'] == 'user' %}" + USER + "{{ message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}" + ASSISTANT + "{{ message['content'] }}" + EOS +
-    "{% endif %}"
+    "{% elif message['role'] == 'assistant' %}"
+    + ASSISTANT
+    + "{{ message['content'] }}"
+    + EOS
+    + "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
 )

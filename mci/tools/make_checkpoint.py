@@ -126,7 +126,9 @@ def make_checkpoint(
     """Write config.json, safetensors (sharded when `shard_max_bytes` is set) and a tokenizer."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
+        dtype
+    ]
     cfg = dataclasses.replace(cfg, torch_dtype=dtype, fp8=Fp8Config() if fp8 else None)
     weights = random_weights(cfg, seed, bias_std)
     tensors: dict[str, torch.Tensor] = {}

@@ -1,0 +1,89 @@
+"""Shared fixtures: seeded random checkpoints (cached per session) and the HF reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mci.config import load_config
+from mci.tools.make_checkpoint import make_checkpoint, preset_config
+
+torch.set_num_threads(2)
+
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "deepseek-v3"
+# A copy inside the repo keeps tests runnable without ../shared (e.g. a bare clone elsewhere).
+REFERENCE_COPY = Path(__file__).parent / "data" / "deepseek-v3-config.json"
+
+
+@pytest.fixture(scope="session")
+def reference_config():
+    """The published DeepSeek-V3 671B config."""
+    return load_config(REFERENCE_DIR if REFERENCE_DIR.exists() else REFERENCE_COPY)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(size="tiny", seed=0, dtype="float32", fp8=False, ..., **config_overrides) -> dir.
+
+    Identical requests within a test session share one directory.
+    """
+    cache: dict[str, object] = {}
+
+    def make(
+        size="tiny",
+        seed=0,
+        dtype="float32",
+        fp8=False,
+        include_mtp=True,
+        shard_max_bytes=None,
+        config_dialect="4",
+        bias_std=0.05,
+        **overrides,
+    ):
+        cfg = preset_config(size, **overrides)
+        key_src = json.dumps(
+            [
+                dataclasses.asdict(cfg),
+                seed,
+                dtype,
+                fp8,
+                include_mtp,
+                shard_max_bytes,
+                config_dialect,
+                bias_std,
+            ],
+            sort_keys=True,
+            default=str,
+        )
+        key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"ckpt-{size}-{key}")
+            cache[key] = make_checkpoint(
+                out,
+                cfg,
+                seed=seed,
+                dtype=dtype,
+                fp8=fp8,
+                include_mtp=include_mtp,
+                shard_max_bytes=shard_max_bytes,
+                config_dialect=config_dialect,
+                bias_std=bias_std,
+                tokenizer_corpus_bytes=300_000,
+            )
+        return cache[key]
+
+    return make
+
+
+def load_hf_reference(path, dtype=torch.float32):
+    """transformers' DeepseekV3ForCausalLM on the same checkpoint (the MTP layer is ignored)."""
+    import transformers
+    from transformers import DeepseekV3ForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    return DeepseekV3ForCausalLM.from_pretrained(str(path), dtype=dtype).eval()

@@ -1,0 +1,83 @@
+"""The absorbed latent path equals the expanded path; batching sequences changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import prefill_logits, stepwise_logits
+
+from mci.layers.attention import choose_absorbed
+from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
+from mci.models.loader import load_model
+from mci.tools.make_checkpoint import preset_config
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_model(checkpoint(), "float32")
+
+
+def _ids(n, seed=0):
+    return torch.randint(0, 2048, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_prefill_absorbed_equals_expanded(model):
+    ids = _ids(40)
+    a = prefill_logits(model, ids, "absorbed")
+    e = prefill_logits(model, ids, "expanded")
+    assert (a - e).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("first_chunk", [1, 9])
+def test_stepwise_decode_paths_equal_prefill(model, first_chunk):
+    ids = _ids(24, seed=1)
+    full = prefill_logits(model, ids, "expanded")
+    for path in ("absorbed", "expanded", "auto"):
+        step = stepwise_logits(model, ids, path, first_chunk)
+        assert (step - full).abs().max().item() <= TOL, path
+
+
+def test_mixed_batch_equals_each_alone(model):
+    """Three sequences in one forward (a fresh prefill, a chunk after a cached prefix, a decode)
+    give the logits each gets alone, with scattered, non-contiguous cache slots."""
+    seqs = [_ids(11, 2), _ids(17, 3), _ids(6, 4)]
+    cached = [0, 9, 5]  # tokens already in cache before the batched step
+    cache = model.allocate_kv_cache(64)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(5))
+    slots, start = [], 0
+    for s in seqs:
+        slots.append(perm[start : start + len(s)])
+        start += len(s)
+    for s, sl, c in zip(seqs, slots, cached):
+        if c:
+            meta = AttentionMetadata.build([SequenceChunk(sl[:c], c)])
+            model(torch.tensor(s[:c]), meta, cache, "expanded")
+    chunks = [SequenceChunk(sl, len(s) - c) for s, sl, c in zip(seqs, slots, cached)]
+    new_ids = torch.tensor([t for s, c in zip(seqs, cached) for t in s[c:]])
+    meta = AttentionMetadata.build(chunks)
+    for path in ("absorbed", "expanded"):
+        batched = model.logits(model(new_ids, meta, cache, path))
+        offset = 0
+        for s, c in zip(seqs, cached):
+            alone = prefill_logits(model, s, "expanded")[c:]
+            n = len(s) - c
+            assert (batched[offset : offset + n] - alone).abs().max().item() <= TOL, path
+            offset += n
+
+
+@pytest.mark.parametrize("size", ["small", "reference"])
+def test_auto_path_picks_absorbed_for_decode_expanded_for_long_prefill(size, reference_config):
+    cfg = reference_config if size == "reference" else preset_config(size)
+    decode = AttentionMetadata.build([SequenceChunk(torch.arange(500), 1)])
+    prefill = AttentionMetadata.build([SequenceChunk(torch.arange(500), 500)])
+    assert choose_absorbed(cfg, decode)
+    assert not choose_absorbed(cfg, prefill)
+
+
+def test_metadata_rejects_bad_chunks():
+    with pytest.raises(ValueError):
+        AttentionMetadata.build([SequenceChunk(torch.arange(3), 4)])
+    with pytest.raises(ValueError):
+        AttentionMetadata.build([SequenceChunk(torch.arange(3), 0)])
