@@ -9,8 +9,7 @@ import torch
 from helpers import prefill_logits
 from safetensors import safe_open
 
-from mci.layers.linear import Fp8BlockLinear, dequantize_fp8_blocks, quantize_fp8_blocks
-from mci.layers.moe import StackedExpertLinear
+from mci.layers.linear import Linear, quantize_fp8_blocks
 from mci.models.loader import checkpoint_to_param, load_model
 
 
@@ -29,8 +28,11 @@ def test_quantize_roundtrip_on_uneven_shape():
     w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
     q, s = quantize_fp8_blocks(w, (128, 128))
     assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 2)
-    deq = dequantize_fp8_blocks(q, s, (128, 128), torch.float32)
-    torch.testing.assert_close(deq, _reference_dequant(q, s))
+    layer = Linear(200, (300,), torch.float32, (128, 128))
+    layer.weight.copy_(q)
+    layer.weight_scale_inv.copy_(s)
+    deq = layer.dense_weight(torch.float32)
+    torch.testing.assert_close(deq, _reference_dequant(q, s), rtol=0, atol=0)
     rel = ((deq - w).norm() / w.norm()).item()
     assert rel < 0.05, rel  # e4m3 keeps 3 mantissa bits: a few percent rms error
 
@@ -40,7 +42,6 @@ def test_loaded_weights_equal_blockwise_dequantisation(checkpoint, size_override
     """Shapes straddling 128-blocks included (192 = 1.5 blocks)."""
     path = checkpoint(dtype="bfloat16", fp8=True, **size_overrides)
     model = load_model(path, "float32")
-    params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     checked = 0
     with safe_open(path / "model.safetensors", framework="pt") as f:
@@ -49,15 +50,12 @@ def test_loaded_weights_equal_blockwise_dequantisation(checkpoint, size_override
                 continue
             wname = name.replace("_scale_inv", "")
             expected = _reference_dequant(f.get_tensor(wname), f.get_tensor(name))
-            target, expert = checkpoint_to_param(wname, model.cfg)
-            module = modules[target.rsplit(".", 1)[0]]
-            if expert is None:
-                assert isinstance(module, Fp8BlockLinear)
-                got = module.dense_weight(torch.float32)
-            else:
-                assert isinstance(module, StackedExpertLinear)
-                got = module.expert_weight(expert, torch.float32)
-            assert params[target].dtype == torch.float8_e4m3fn
+            target = checkpoint_to_param(wname, model.cfg)
+            module = modules[target.module]
+            assert isinstance(module, Linear) and module.weight.dtype == torch.float8_e4m3fn
+            got = module.dense_weight(torch.float32, target.expert)
+            if target.part is not None:
+                got = got[module.part_rows(target.part, scale=False)]
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
             checked += 1
     assert checked > 20
@@ -69,11 +67,13 @@ def test_fp8_model_equals_bf16_model_with_simulated_quantisation(checkpoint):
     fp8 = load_model(checkpoint(dtype="bfloat16", fp8=True), "float32")
     bf16_modules = dict(bf16.named_modules())
     for name, module in fp8.named_modules():
-        if isinstance(module, (Fp8BlockLinear, StackedExpertLinear)) and module.block:
+        if isinstance(module, Linear) and module.block:
             target = bf16_modules[name].weight
-            for w in target.view(-1, *target.shape[-2:]):
-                q, scale = quantize_fp8_blocks(w, (128, 128))
-                w.copy_(_reference_dequant(q, scale))
+            for w in target.view(-1, *target.shape[-2:]):  # each expert
+                for part in range(len(module.part_sizes)):  # each checkpoint projection
+                    rows = w[module.part_rows(part, scale=False)]
+                    q, scale = quantize_fp8_blocks(rows, (128, 128))
+                    rows.copy_(_reference_dequant(q, scale))
     ids = torch.randint(0, 2048, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     diff = (prefill_logits(bf16, ids) - prefill_logits(fp8, ids)).abs().max().item()
     assert diff <= 1e-5, diff

@@ -24,9 +24,9 @@ def _naive_moe(moe, x):
         w = scores[chosen]
         w = w / w.sum() * gate.scaling if gate.norm_topk_prob else w * gate.scaling
         for weight, e in zip(w, chosen):
-            ex = moe.experts
-            h = F.silu(x[t] @ ex.gate_proj.weight[e].T) * (x[t] @ ex.up_proj.weight[e].T)
-            out[t] += weight * (h @ ex.down_proj.weight[e].T)
+            w_gate, w_up = moe.experts.gate_up_proj.weight[e].chunk(2, dim=0)
+            h = F.silu(x[t] @ w_gate.T) * (x[t] @ w_up.T)
+            out[t] += weight * (h @ moe.experts.down_proj.weight[e].T)
         out[t] += moe.shared_experts(x[t : t + 1])[0]
     return out
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from mci.config import ModelConfig
 from mci.layers.attention_metadata import AttentionMetadata
-from mci.layers.linear import make_linear
+from mci.layers.linear import Linear, make_linear
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import apply_rope
 
@@ -58,13 +58,13 @@ class MultiHeadLatentAttention(nn.Module):
         self.scale = cfg.softmax_scale
         self.interleave = cfg.rope_interleave
         h, hidden = self.num_heads, cfg.hidden_size
-        if cfg.q_lora_rank is None:
-            self.q_proj = make_linear(hidden, h * cfg.qk_head_dim, dtype, fp8_block)
-        else:
-            self.q_a_proj = make_linear(hidden, cfg.q_lora_rank, dtype, fp8_block)
+        # Both projections of the layer input run as one matmul: [q_a | kv_a] (or [q | kv_a]).
+        self.q_lora_rank = cfg.q_lora_rank
+        q_dim = h * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank
+        self.fused_qkv_a_proj = Linear(hidden, (q_dim, cfg.kv_latent_dim), dtype, fp8_block)
+        if cfg.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
             self.q_b_proj = make_linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype, fp8_block)
-        self.kv_a_proj_with_mqa = make_linear(hidden, cfg.kv_latent_dim, dtype, fp8_block)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
         self.kv_b_proj = make_linear(
             cfg.kv_lora_rank, h * (self.nope + self.v_dim), dtype, fp8_block
@@ -81,20 +81,19 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> torch.Tensor:
         """x: [T, hidden]; kv_cache: [num_slots, kv_lora + rope] of this layer (written here)."""
         t = x.shape[0]
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, latent = self.fused_qkv_a_proj(x).split(self.fused_qkv_a_proj.part_sizes, dim=-1)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, self.num_heads, self.nope + self.rope_dim)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)  # [T, H, nope], [T, H, rope]
-        latent = self.kv_a_proj_with_mqa(x)  # [T, kv_lora + rope]
-        c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # latent: [T, D]
         cos, sin = rope_cos_sin
-        q_rope = apply_rope(q_rope, cos, sin, self.interleave)
+        q_rope = apply_rope(q_rope, cos[:, None], sin[:, None], self.interleave)  # over heads
         k_rope = apply_rope(k_rope, cos, sin, self.interleave)
         new_rows = torch.cat((self.kv_a_layernorm(c_kv), k_rope), dim=-1)  # [T, kv_lora + rope]
         kv_cache.index_copy_(0, meta.write_slots, new_rows.to(kv_cache.dtype))
-        context = kv_cache[meta.kv_slots].to(x.dtype)  # [B, L, kv_lora + rope]
+        b, length = meta.kv_slots.shape
+        context = kv_cache.index_select(0, meta.kv_slots.view(-1)).view(b, length, -1)  # [B, L, D]
         if absorbed:
             out = self._absorbed(q_nope, q_rope, context, meta)
         else:

@@ -1,8 +1,18 @@
-"""Linear layers: plain weights, and FP8 e4m3 weights with 128x128 block scales.
+"""Linear layers with fused parts, optional expert stacking, and FP8 e4m3 block weights.
 
-FP8 weights stay FP8 in memory (one byte per parameter) and are dequantised to the
-activation dtype at use: `w = fp8 * weight_scale_inv` per block. The scale tensor has shape
-[..., ceil(out/bo), ceil(in/bi)]; partial edge blocks share their block's scale.
+One `Linear` can hold several checkpoint projections that read the same input, stacked along
+the output dimension, so they run as one matmul (e.g. `gate_proj` + `up_proj` ->
+`gate_up_proj`, `q_a_proj` + `kv_a_proj_with_mqa` -> `fused_qkv_a_proj`):
+
+    weight [(E,) out_0 + out_1 + ..., in]        part j owns rows offset_j .. offset_j + out_j
+
+FP8 weights stay FP8 in memory (one byte per parameter) and are dequantised to the activation
+dtype at use. Each part keeps its own 128x128 block scales, stacked the same way:
+
+    weight_scale_inv [(E,) ceil(out_0/128) + ceil(out_1/128) + ..., ceil(in/128)]
+
+`row_block[r]` / `col_block[c]` give the scale row / column of weight row r / column c, so
+dequantisation is one gather and one multiply whatever the parts' alignment.
 """
 
 from __future__ import annotations
@@ -15,17 +25,6 @@ from torch import nn
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-
-
-def dequantize_fp8_blocks(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
-) -> torch.Tensor:
-    """weight: [..., out, in] fp8; scale_inv: [..., ceil(out/bo), ceil(in/bi)] -> [..., out, in]."""
-    out_dim, in_dim = weight.shape[-2:]
-    bo, bi = block
-    scale = scale_inv.repeat_interleave(bo, dim=-2)[..., :out_dim, :]
-    scale = scale.repeat_interleave(bi, dim=-1)[..., :in_dim]
-    return (weight.to(torch.float32) * scale).to(dtype)
 
 
 def quantize_fp8_blocks(
@@ -46,41 +45,60 @@ def quantize_fp8_blocks(
 
 
 class Linear(nn.Module):
-    """y = x W^T with W: [out, in] in the activation dtype (no bias: DeepSeek-V3 has none)."""
+    """y = x W^T (no bias: DeepSeek-V3 has none), W the parts stacked along the output dim."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        in_features: int,
+        part_sizes: tuple[int, ...],
+        dtype: torch.dtype,
+        fp8_block: tuple[int, int] | None = None,
+        num_experts: int = 0,
+    ):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
+        self.in_features, self.part_sizes = in_features, tuple(part_sizes)
+        self.out_features = sum(part_sizes)
+        self.block = fp8_block
+        lead = (num_experts,) if num_experts else ()
+        wdtype = FP8_DTYPE if fp8_block else dtype
+        weight = torch.empty(*lead, self.out_features, in_features, dtype=wdtype)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        if fp8_block is None:
+            return
+        bo, bi = fp8_block
+        part_blocks = [math.ceil(n / bo) for n in part_sizes]
+        scale = torch.empty(*lead, sum(part_blocks), math.ceil(in_features / bi))
+        self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+        rows, base = [], 0
+        for n, nb in zip(part_sizes, part_blocks, strict=True):
+            rows.append(base + torch.arange(n) // bo)
+            base += nb
+        self.register_buffer("row_block", torch.cat(rows), persistent=False)
+        self.register_buffer("col_block", torch.arange(in_features) // bi, persistent=False)
 
-    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+    def part_rows(self, part: int, scale: bool) -> slice:
+        """Rows of `weight` (or of `weight_scale_inv`) that checkpoint part `part` fills."""
+        sizes = self.part_sizes
+        if scale:
+            sizes = tuple(math.ceil(n / self.block[0]) for n in sizes)
+        start = sum(sizes[:part])
+        return slice(start, start + sizes[part])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+    def dense_weight(self, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
+        """[out, in] in `dtype` (of one expert when stacked); FP8 is dequantised here."""
+        weight = self.weight if expert is None else self.weight[expert]
+        if self.block is None:
+            return weight if weight.dtype == dtype else weight.to(dtype)
+        scale = self.weight_scale_inv if expert is None else self.weight_scale_inv[expert]
+        full_scale = scale[self.row_block][:, self.col_block]  # [out, in]
+        return (weight.to(torch.float32) * full_scale).to(dtype)
 
-
-class Fp8BlockLinear(nn.Module):
-    """y = x dequant(W)^T with W stored as fp8 [out, in] plus float32 block scales."""
-
-    def __init__(self, in_features: int, out_features: int, block: tuple[int, int]):
-        super().__init__()
-        self.in_features, self.out_features, self.block = in_features, out_features, block
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), False)
-        scale_shape = (math.ceil(out_features / block[0]), math.ceil(in_features / block[1]))
-        self.weight_scale_inv = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), False)
-
-    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight(x.dtype))
+    def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
+        return F.linear(x, self.dense_weight(x.dtype, expert))
 
 
 def make_linear(
     in_features: int, out_features: int, dtype: torch.dtype, fp8_block: tuple[int, int] | None
-) -> Linear | Fp8BlockLinear:
-    """An FP8 block linear when the checkpoint quantises this projection, else a plain one."""
-    if fp8_block is not None:
-        return Fp8BlockLinear(in_features, out_features, fp8_block)
-    return Linear(in_features, out_features, dtype)
+) -> Linear:
+    """A single-part linear; FP8 when the checkpoint quantises this projection."""
+    return Linear(in_features, (out_features,), dtype, fp8_block)

@@ -4,17 +4,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mci.layers.linear import make_linear
+from mci.layers.linear import Linear
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); x: [T, hidden] -> [T, hidden]."""
+    """down(silu(gate(x)) * up(x)); gate and up run as one fused matmul. [T, H] -> [T, H]."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, fp8_block=None):
         super().__init__()
-        self.gate_proj = make_linear(hidden, inter, dtype, fp8_block)
-        self.up_proj = make_linear(hidden, inter, dtype, fp8_block)
-        self.down_proj = make_linear(inter, hidden, dtype, fp8_block)
+        self.gate_up_proj = Linear(hidden, (inter, inter), dtype, fp8_block)
+        self.down_proj = Linear(inter, (hidden,), dtype, fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

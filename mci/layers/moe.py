@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mci.config import ModelConfig
-from mci.layers.linear import FP8_DTYPE, dequantize_fp8_blocks
+from mci.layers.linear import Linear
 from mci.layers.mlp import GatedMLP
 
 
@@ -50,37 +50,15 @@ class TopKRouter(nn.Module):
         return weights * self.scaling, ids
 
 
-class StackedExpertLinear(nn.Module):
-    """One projection of every routed expert, stacked: weight [E, out, in] (+ fp8 block scales)."""
-
-    def __init__(self, num_experts: int, in_f: int, out_f: int, dtype: torch.dtype, fp8_block):
-        super().__init__()
-        self.block = fp8_block
-        wdtype = FP8_DTYPE if fp8_block else dtype
-        self.weight = nn.Parameter(torch.empty(num_experts, out_f, in_f, dtype=wdtype), False)
-        if fp8_block:
-            bo, bi = fp8_block
-            shape = (num_experts, -(-out_f // bo), -(-in_f // bi))
-            self.weight_scale_inv = nn.Parameter(torch.empty(shape, dtype=torch.float32), False)
-
-    def expert_weight(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """[out, in] of one expert in `dtype` (dequantised on the fly when stored as fp8)."""
-        if self.block is None:
-            return self.weight[expert]
-        return dequantize_fp8_blocks(
-            self.weight[expert], self.weight_scale_inv[expert], self.block, dtype
-        )
-
-
 class RoutedExperts(nn.Module):
     """All routed experts; tokens are sorted by expert and each expert runs one matmul batch."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block):
         super().__init__()
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_proj = StackedExpertLinear(e, h, i, dtype, fp8_block)
-        self.up_proj = StackedExpertLinear(e, h, i, dtype, fp8_block)
-        self.down_proj = StackedExpertLinear(e, i, h, dtype, fp8_block)
+        self.num_experts = e
+        self.gate_up_proj = Linear(h, (i, i), dtype, fp8_block, num_experts=e)  # [E, 2I, H]
+        self.down_proj = Linear(i, (h,), dtype, fp8_block, num_experts=e)  # [E, H, I]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H], weights/ids: [T, K] -> sum_k weights[t,k] * expert_{ids[t,k]}(x[t])."""
@@ -88,7 +66,7 @@ class RoutedExperts(nn.Module):
         flat_ids = ids.flatten()  # [T*K]
         order = flat_ids.argsort(stable=True)  # assignments grouped by expert
         token_idx = order // top_k  # [T*K] token of each sorted assignment
-        counts = torch.bincount(flat_ids, minlength=self.gate_proj.weight.shape[0]).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         x_sorted = x[token_idx]  # [T*K, H]
         out_sorted = torch.empty_like(x_sorted)
         start = 0
@@ -97,10 +75,8 @@ class RoutedExperts(nn.Module):
             if count == 0:
                 continue
             seg = x_sorted[start : start + count]
-            gate = F.linear(seg, self.gate_proj.expert_weight(expert, x.dtype))
-            up = F.linear(seg, self.up_proj.expert_weight(expert, x.dtype))
-            down = self.down_proj.expert_weight(expert, x.dtype)
-            out_sorted[start : start + count] = F.linear(F.silu(gate) * up, down)
+            gate, up = self.gate_up_proj(seg, expert).chunk(2, dim=-1)
+            out_sorted[start : start + count] = self.down_proj(F.silu(gate) * up, expert)
             start += count
         scaled = (out_sorted.float() * weights.flatten()[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_idx, scaled)

@@ -87,7 +87,7 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
 ) -> torch.Tensor:
-    """Rotate x: [T, ..., dim] by per-token angles cos/sin: [T, dim/2] (broadcast over heads).
+    """Rotate x: [..., dim] by angles whose cos/sin broadcast against [..., dim/2].
 
     Interleaved checkpoints pair dims (0,1), (2,3), ...; the others pair (i, i + dim/2). Both
     write the result de-interleaved ([rotated evens | rotated odds]); q and k get the same
@@ -97,6 +97,4 @@ def apply_rope(
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:
         x1, x2 = x.chunk(2, dim=-1)
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos, sin = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -65,7 +65,8 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def rope_for(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, rope/2] for the step's positions, computed once and shared by all layers."""
-        return self.rotary.cos_sin(meta.positions, meta.max_position)
+        cos, sin = self.rotary.cos_sin(meta.positions, meta.max_position)
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def resolve_path(self, meta: AttentionMetadata, attention_path: str) -> bool:
         if attention_path == "auto":

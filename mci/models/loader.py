@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +29,14 @@ log = logging.getLogger("mci")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+_proj\.\w+)$")
+# Checkpoint projections that share an input and run fused: name -> (fused module, part).
+_FUSED_PARTS = {
+    "q_a_proj": ("fused_qkv_a_proj", 0),
+    "q_proj": ("fused_qkv_a_proj", 0),
+    "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
 
@@ -73,15 +82,42 @@ def _read_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
         raise CheckpointError(f"corrupted safetensors file {file.name}: {exc}") from None
 
 
-def checkpoint_to_param(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
-    """Checkpoint tensor name -> (parameter name in our model, expert index or None)."""
+@dataclass(frozen=True)
+class ParamTarget:
+    """Where one checkpoint tensor goes: `module.attr`, then `[expert]`, then the part's rows."""
+
+    module: str
+    attr: str  # weight | weight_scale_inv | e_score_correction_bias
+    expert: int | None = None
+    part: int | None = None
+
+
+def checkpoint_to_param(name: str, cfg: ModelConfig) -> ParamTarget:
+    """Checkpoint tensor name -> its place in our model (MTP renamed, experts and parts fused)."""
     m = _LAYER.match(name)
     if m and int(m.group(1)) >= cfg.num_hidden_layers:
         name = f"mtp.{int(m.group(1)) - cfg.num_hidden_layers}.{m.group(2)}"
+    expert = None
     m = _EXPERT.match(name)
     if m:
-        return f"{m.group(1)}.{m.group(3)}", int(m.group(2))
-    return name, None
+        name, expert = f"{m.group(1)}.{m.group(3)}", int(m.group(2))
+    module, attr = name.rsplit(".", 1)
+    parent, _, proj = module.rpartition(".")
+    if proj in _FUSED_PARTS:
+        fused, part = _FUSED_PARTS[proj]
+        return ParamTarget(f"{parent}.{fused}", attr, expert, part)
+    return ParamTarget(module, attr, expert)
+
+
+def _destination(modules: dict[str, torch.nn.Module], target: ParamTarget) -> torch.Tensor:
+    """The parameter view a checkpoint tensor is copied into."""
+    module = modules[target.module]
+    dst = getattr(module, target.attr)
+    if target.expert is not None:
+        dst = dst[target.expert]
+    if target.part is not None:
+        dst = dst[module.part_rows(target.part, scale=target.attr == "weight_scale_inv")]
+    return dst
 
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> DeepseekV3ForCausalLM:
@@ -123,15 +159,13 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> De
 
     with torch.device("cpu"):
         model = DeepseekV3ForCausalLM(cfg, compute_dtype, with_mtp=with_mtp)
-    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
     for file, names in sorted(by_file.items()):
         with safe_open(file, framework="pt") as f:
             for name in names:
-                target, expert = checkpoint_to_param(name, cfg)
-                dst = params[target] if expert is None else params[target][expert]
-                dst.copy_(f.get_tensor(name))
+                _destination(modules, checkpoint_to_param(name, cfg)).copy_(f.get_tensor(name))
     model.eval()
     return model.to(device)
