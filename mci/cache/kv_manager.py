@@ -1,0 +1,105 @@
+"""Request-level KV memory: prefix matching, slot allocation with eviction, caching, release.
+
+The one place that moves slots between the pool, the radix tree and requests. Invariant
+(checked by `check_integrity`): each slot is free, owned by the tree, or owned by exactly one
+request (`request.own_slots`); a request holds a lock on `last_node`, which keeps its first
+`cached_len` slots (the tree's) alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from mci.cache.radix_cache import RadixCache
+from mci.cache.slot_pool import SlotPool
+from mci.core.request import Request
+
+
+class KVCacheManager:
+    """Slots for requests, with an optional radix prefix cache (None = disabled)."""
+
+    def __init__(self, pool: SlotPool, radix: RadixCache | None):
+        self.pool = pool
+        self.radix = radix
+
+    @property
+    def available(self) -> int:
+        """Slots obtainable now: free plus evictable from the tree."""
+        return self.pool.num_free + (self.radix.evictable_tokens if self.radix else 0)
+
+    def prefix_match_length(self, request: Request) -> int:
+        """Cached prefix length for admission ordering (no locking)."""
+        if self.radix is None:
+            return 0
+        return len(self.radix.match_prefix(self._matchable(request))[0])
+
+    @staticmethod
+    def _matchable(request: Request) -> list[int]:
+        # At least one token must be computed to produce logits, so never match all of them.
+        return request.token_ids[: request.num_tokens - 1]
+
+    def match(self, request: Request) -> None:
+        """Attach the longest cached prefix to a request that holds no slots (admission)."""
+        assert request.num_slots == 0 and request.last_node is None
+        if self.radix is None:
+            return
+        slots, node = self.radix.match_prefix(self._matchable(request))
+        n = len(slots)
+        self.radix.inc_lock(node)
+        request.slots[:n] = slots
+        request.last_node = node
+        request.cached_len = request.num_slots = request.num_computed_tokens = n
+
+    def allocate(self, request: Request, n: int) -> bool:
+        """Slots for the request's next `n` positions, evicting unlocked cache if needed."""
+        short = n - self.pool.num_free
+        if short > 0 and self.radix is not None:
+            self.radix.evict(short)
+        if n > self.pool.num_free:
+            return False
+        start = request.num_slots
+        request.slots[start : start + n] = self.pool.alloc(n)
+        request.num_slots += n
+        return True
+
+    def cache_prefix(self, request: Request) -> None:
+        """Insert the request's computed tokens into the tree; the tree takes their slots.
+
+        Slots the request computed for tokens the tree already had are freed, and the request
+        switches to the tree's copies; its lock moves to the deeper node.
+        """
+        if self.radix is None:
+            return
+        n = request.num_computed_tokens
+        tokens = request.token_ids[:n]
+        present = self.radix.insert(tokens, request.slots[:n])
+        self.pool.free(request.slots[request.cached_len : present])
+        slots, node = self.radix.match_prefix(tokens)
+        assert len(slots) == n, "radix cache lost a prefix it just inserted"
+        request.slots[:n] = slots
+        self.radix.inc_lock(node)
+        if request.last_node is not None:
+            self.radix.dec_lock(request.last_node)
+        request.last_node = node
+        request.cached_len = n
+
+    def release(self, request: Request) -> None:
+        """Give back everything the request holds (finish, abort or preemption).
+
+        Computed tokens stay in the tree (unlocked, evictable) when the cache is on.
+        """
+        if request.num_computed_tokens > request.cached_len:
+            self.cache_prefix(request)
+        self.pool.free(request.slots[request.cached_len : request.num_slots])
+        if self.radix is not None and request.last_node is not None:
+            self.radix.dec_lock(request.last_node)
+        request.last_node = None
+        request.cached_len = request.num_slots = 0
+
+    def check_integrity(self, requests: Iterable[Request]) -> None:
+        """Assert every slot is free, the tree's, or exactly one request's."""
+        owned = [r.own_slots for r in requests if r.num_slots > r.cached_len]
+        if self.radix is not None:
+            self.radix.check_invariants()
+            owned += self.radix.owned_slots()
+        self.pool.check_integrity(owned)

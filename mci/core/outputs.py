@@ -1,0 +1,23 @@
+"""What the engine reports about a request after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """A request's progress: the new tokens/text of this step and the totals so far."""
+
+    request_id: str
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list = field(default_factory=list)  # all so far: (logprob, [(id, lp), ...])
+    error: str | None = None  # set when the engine failed the request

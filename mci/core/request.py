@@ -1,0 +1,109 @@
+"""A request's state inside the engine: tokens, accounting, KV slots, sampler state.
+
+Token accounting, not phases: a request has `num_tokens` known tokens (prompt + generated)
+and `num_computed_tokens` of them have latents in the KV cache. Each step the scheduler gives
+it `num_new` tokens to compute; when all known tokens are computed, the step also samples the
+next token. Chunked prefill, prefix-cache hits and recomputation after preemption are all
+just different values of `num_computed_tokens`.
+
+    token_ids: [ p0 p1 p2 p3 p4 | o0 o1 ]       prompt | output
+    slots:     [ s  s  s  s  s  | s  s ]        a slot per computed (or scheduled) token
+               <- cached_len ->                 leading slots owned by the radix tree (locked)
+               <------ num_slots ----------->   the rest are the request's own
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mci.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated. Mutated only by the scheduler thread."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # smaller runs first (vLLM's convention)
+    deadline: float | None = None  # time.monotonic() after which the request is aborted
+    group_leader: Request | None = None  # n > 1: siblings wait for the leader's prefill
+    # --- state -----------------------------------------------------------------------------
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (first time)
+    # --- KV ----------------------------------------------------------------------------------
+    slots: torch.Tensor = field(default=None)  # [capacity] slot of each position
+    num_slots: int = 0  # positions with a slot: num_computed_tokens, plus this step's new ones
+    cached_len: int = 0  # leading positions whose slots the radix tree owns
+    last_node: object = None  # radix node locked by this request (cached_len tokens deep)
+    # --- sampling ----------------------------------------------------------------------------
+    generator: torch.Generator = field(default=None)
+    token_counts: torch.Tensor | None = None  # [vocab] output-token counts, for penalties
+    logprobs: list = field(default_factory=list)  # per output token: (logprob, [(id, lp), ...])
+    # --- timing ------------------------------------------------------------------------------
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self):
+        self.token_ids: list[int] = list(self.prompt_ids) + list(self.output_ids)
+        capacity = len(self.prompt_ids) + self.params.max_new_tokens
+        self.slots = torch.empty(capacity, dtype=torch.long)
+        self.generator = torch.Generator()
+        if self.params.seed is not None:
+            self.generator.manual_seed(self.params.seed)
+        else:
+            self.generator.seed()
+
+    def append_token(self, token_id: int) -> None:
+        """Record a generated token (it has no latent in the cache yet)."""
+        self.output_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Known tokens whose latents are not cached yet (1 for a decoding request)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def own_slots(self) -> torch.Tensor:
+        """Slots this request owns (not the tree's)."""
+        return self.slots[self.cached_len : self.num_slots]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_new_tokens

@@ -1,0 +1,70 @@
+"""Sampling parameters of one request, validated once at creation (frozen afterwards)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mci.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to generate and how; names follow vLLM/SGLang.
+
+    temperature 0 is greedy. Penalties: `repetition_penalty` (HF/vLLM style, over prompt and
+    output tokens; 1 = off), `frequency_penalty` and `presence_penalty` (OpenAI style, over
+    output tokens; 0 = off). `seed` makes sampling reproducible whatever else is batched.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    n: int = 1
+    logprobs: int | None = None  # number of top alternatives to return with each token
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (self.min_new_tokens >= 0, "min_new_tokens must be >= 0"),
+            (self.n >= 1, "n must be at least 1"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )

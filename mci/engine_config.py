@@ -1,0 +1,120 @@
+"""Frozen engine configuration (cache, scheduler, model placement) and the CLI built from it.
+
+Each field's help lives in its metadata; `add_config_args` turns the dataclasses into
+argparse flags (`--field-name`, SGLang's names where the meaning is the same) so the CLI is
+never written twice. Each component receives only its own section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mci.errors import UserError
+
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "default-model"
+
+
+def _opt(default, help: str, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ModelPlacement:
+    """Which checkpoint, in which dtype, on which device."""
+
+    model_path: Path = _opt(DEFAULT_MODEL, "checkpoint directory (default: the bundled model)")
+    dtype: str = _opt(
+        "auto",
+        "activation dtype; auto = the checkpoint's",
+        ["auto", "bfloat16", "float16", "float32"],
+    )
+    device: str = _opt("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Size of the latent KV pool and the prefix cache."""
+
+    kv_cache_gb: float | None = _opt(None, "GiB of KV cache (default: a fraction of free memory)")
+    mem_fraction_static: float = _opt(
+        0.2, "fraction of free memory for the KV cache when --kv-cache-gb is not given"
+    )
+    max_total_tokens: int | None = _opt(None, "exact KV pool size in tokens (overrides the above)")
+    disable_radix_cache: bool = _opt(False, "turn the radix prefix cache off")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching policy of the scheduler loop."""
+
+    max_running_requests: int = _opt(256, "most requests decoding at once")
+    max_prefill_tokens: int = _opt(8192, "most prompt tokens computed in one step")
+    chunked_prefill_size: int = _opt(2048, "most tokens of one prompt per step; -1 disables")
+    schedule_policy: str = _opt(
+        "lpm", "admission order: lpm (longest cached prefix first) or fcfs", ["lpm", "fcfs"]
+    )
+    decode_reserve_tokens: int = _opt(16, "KV tokens kept free per running request at admission")
+
+    def __post_init__(self):
+        if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
+            raise UserError("--max-running-requests and --max-prefill-tokens must be >= 1")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise UserError("--chunked-prefill-size must be positive, or -1 to disable")
+
+    @property
+    def chunk_limit(self) -> int | None:
+        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the in-process Engine needs."""
+
+    model: ModelPlacement = field(default_factory=ModelPlacement)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    check_integrity: bool = False  # verify slot accounting every step (tests)
+
+
+SECTIONS = {"model": ModelPlacement, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def _arg_type(tp):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per field of every section."""
+    for cls in SECTIONS.values():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            tp = _arg_type(hints[f.name])
+            help_text, choices = f.metadata["help"], f.metadata.get("choices")
+            if tp is bool:
+                parser.add_argument(flag, action="store_true", help=help_text)
+            else:
+                parser.add_argument(
+                    flag,
+                    type=tp,
+                    default=f.default,
+                    choices=choices,
+                    help=f"{help_text} (default: {f.default})",
+                )
+
+
+def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
+    """Build the frozen EngineConfig from parsed flags."""
+    sections = {
+        name: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        for name, cls in SECTIONS.items()
+    }
+    return EngineConfig(**sections, **extra)

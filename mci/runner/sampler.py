@@ -1,0 +1,104 @@
+"""Batched sampling: one call per step for every request that needs a token.
+
+Order of operations per row: penalties (repetition over prompt+output, frequency/presence over
+output), min-token EOS masking, temperature, top-k, min-p, top-p, then a draw. Rows are
+vectorised; the only per-request Python is drawing each request's noise from its own
+generator, which makes seeded sampling independent of whatever else shares the batch
+(exponential-race sampling: argmax(p / E), E ~ Exp(1), picks i with probability p_i).
+
+Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM
+and OpenAI report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mci.core.request import Request
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """Sampled token per row, and (token logprob, top alternatives) where requested."""
+
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
+    vocab = logits.shape[-1]
+    for i in rows:
+        p = reqs[i].params
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[torch.tensor(reqs[i].token_ids, dtype=torch.long)] = True
+            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, penalised, row))
+        if (p.frequency_penalty or p.presence_penalty) and reqs[i].output_ids:
+            counts = torch.bincount(torch.tensor(reqs[i].output_ids), minlength=vocab).float()
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def _mask_stop_tokens_before_min(logits, reqs: list[Request], eos_ids: tuple[int, ...]) -> None:
+    for i, r in enumerate(reqs):
+        p = r.params
+        if len(r.output_ids) < p.min_new_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...]) -> SampleResult:
+    """logits: [N, vocab] float32, row i for reqs[i] -> one token per row."""
+    n = logits.shape[0]
+    want_lp = [r.params.logprobs is not None for r in reqs]
+    raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+    logits = logits.clone()
+    penalised = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+    if penalised:
+        _apply_penalties(logits, penalised, reqs)
+    _mask_stop_tokens_before_min(logits, reqs, eos_ids)
+
+    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
+    greedy = temps == 0
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
+        top_k = torch.tensor([r.params.top_k for r in reqs])
+        if bool((top_k > 0).any()):
+            k = torch.where(top_k > 0, top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
+            kth = scaled.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = scaled.softmax(dim=-1)
+        min_p = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(
+                probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0
+            )
+        top_p = torch.tensor([r.params.top_p for r in reqs], dtype=probs.dtype)
+        if bool((top_p < 1).any()):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p[:, None]
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0))
+        noise = torch.empty_like(probs)
+        for i in range(n):
+            if not greedy[i]:
+                noise[i].exponential_(generator=reqs[i].generator)
+        drawn = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(greedy, tokens, drawn)
+
+    token_list = tokens.tolist()
+    logprobs: list = [None] * n
+    if raw_lp is not None:
+        for i, r in enumerate(reqs):
+            if want_lp[i]:
+                top = r.params.logprobs
+                alts = []
+                if top:
+                    values, ids = raw_lp[i].topk(top)
+                    alts = list(zip(ids.tolist(), values.tolist()))
+                logprobs[i] = (float(raw_lp[i, token_list[i]]), alts)
+    return SampleResult(token_list, logprobs)

@@ -1,0 +1,107 @@
+"""Turns sampled tokens into outputs: stop checks, incremental text, stop strings.
+
+Stop strings are matched on the decoded text, so they work across token boundaries, and are
+cut from the output. While a request runs, the last (longest stop string - 1) characters are
+held back, so a streaming client never sees the start of a stop string that completes later:
+the concatenated deltas always equal the final text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from mci.core.outputs import RequestOutput
+from mci.core.request import Request, RequestStatus
+from mci.detokenizer import IncrementalDetokenizer
+from mci.tokenizer import TextTokenizer
+
+
+@dataclass
+class _TextState:
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    emitted: int = 0  # characters of `text` already sent
+    holdback: int = 0
+
+
+class OutputProcessor:
+    """Per-request text state; decides when a request is finished."""
+
+    def __init__(self, tokenizer: TextTokenizer, eos_ids: tuple[int, ...]):
+        self._tokenizer = tokenizer
+        self._eos_ids = frozenset(eos_ids)
+        self._states: dict[str, _TextState] = {}
+
+    def add(self, req: Request) -> None:
+        holdback = max((len(s) for s in req.params.stop), default=1) - 1
+        detok = IncrementalDetokenizer(self._tokenizer, req.params.skip_special_tokens)
+        self._states[req.request_id] = _TextState(detok, holdback=holdback)
+
+    def on_token(self, req: Request, token: int, logprob) -> RequestOutput:
+        """Append a sampled token, apply every stop rule, and report the step's delta."""
+        state = self._states[req.request_id]
+        p = req.params
+        req.append_token(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if token in p.stop_token_ids:
+            self._finish(req, "stop", token)
+        elif token in self._eos_ids and not p.ignore_eos:
+            self._finish(req, "stop", None)
+        else:
+            old_len = len(state.text)
+            state.text += state.detokenizer.step([token])
+            # A stop string can only complete inside the new text or straddle its start.
+            hits = [
+                (at, stop)
+                for stop in p.stop
+                if (at := state.text.find(stop, max(old_len - len(stop) + 1, 0))) != -1
+            ]
+            if hits:
+                at, stop = min(hits)
+                state.text = state.text[:at]
+                self._finish(req, "stop", stop)
+        if not req.is_finished and len(req.output_ids) >= p.max_new_tokens:
+            self._finish(req, "length", None)
+        return self._output(req, [token])
+
+    def on_abort(self, req: Request, reason: str = "abort", error: str | None = None):
+        req.status = RequestStatus.ABORTED
+        req.finish_reason = reason
+        req.finish_time = time.monotonic()
+        out = self._output(req, [])
+        out.error = error
+        return out
+
+    def _finish(self, req: Request, reason: str, stop_reason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        req.finish_time = time.monotonic()
+        state = self._states[req.request_id]
+        if not (reason == "stop" and isinstance(stop_reason, str)):
+            state.text += state.detokenizer.flush()
+
+    def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
+        state = self._states[req.request_id]
+        end = len(state.text) if req.is_finished else max(len(state.text) - state.holdback, 0)
+        end = max(end, state.emitted)
+        delta = state.text[state.emitted : end]
+        state.emitted = end
+        if req.is_finished:
+            del self._states[req.request_id]
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            delta_text=delta,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            output_token_ids=list(req.output_ids) if req.is_finished else [],
+            text=state.text if req.is_finished else "",
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_prompt_tokens,
+            logprobs=list(req.logprobs) if req.is_finished else [],
+        )

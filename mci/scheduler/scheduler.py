@@ -1,0 +1,226 @@
+"""The scheduler loop: schedule -> run -> process, one batch per step.
+
+Every step builds one batch that mixes the running requests' work (one token for a decode,
+the next chunk for a request still prefilling) with newly admitted requests, under a token
+budget for prompt work (`max_prefill_tokens`, `chunked_prefill_size`) and
+`max_running_requests`. KV slots for the step are allocated before the forward; when they run
+out, unlocked prefix cache is evicted first, then the lowest-priority (then newest) running
+request is preempted: its slots are freed (its computed prefix stays in the radix tree) and it
+is requeued to be recomputed later, keeping the tokens it already generated.
+
+Invariants: a request is in exactly one of `waiting`, `running`, or finished; every request
+that enters via `add_request` leaves with exactly one final output (finished or aborted); the
+KV integrity check holds between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+from mci.cache.kv_manager import KVCacheManager
+from mci.core.batch import ScheduledBatch, ScheduledItem
+from mci.core.outputs import RequestOutput
+from mci.core.request import Request, RequestStatus
+from mci.engine_config import SchedulerConfig
+from mci.runner.model_runner import ModelRunner
+from mci.runner.sampler import sample
+from mci.scheduler.output_processor import OutputProcessor
+
+log = logging.getLogger("mci")
+
+LPM_MAX_QUEUE = 128  # beyond this, prefix matching every waiting request costs too much: fcfs
+
+
+class Scheduler:
+    """Owns the request queues and KV memory; `step()` advances every runnable request."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        runner: ModelRunner,
+        outputs: OutputProcessor,
+        eos_ids: tuple[int, ...],
+        check_integrity: bool = False,
+    ):
+        self.config = config
+        self.kv = kv
+        self.runner = runner
+        self.outputs = outputs
+        self.eos_ids = eos_ids
+        self.check_integrity = check_integrity
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.counters: Counter[str] = Counter()  # transitions and token counts, for metrics
+
+    # ---- intake -------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> RequestOutput | None:
+        """Queue a request; returns an immediate abort output if it can never fit."""
+        self.outputs.add(req)
+        self.counters["requests_added"] += 1
+        if req.max_total_tokens > self.kv.pool.num_slots:
+            return self._abort(
+                req,
+                f"request needs {req.max_total_tokens} KV tokens; the pool "
+                f"holds {self.kv.pool.num_slots}",
+            )
+        self.waiting.append(req)
+        return None
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        for queue in (self.running, self.waiting):
+            for req in queue:
+                if req.request_id == request_id:
+                    return self._abort(req, None)
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = self._expire_deadlines()
+        batch = self.schedule()
+        if batch:
+            logits = self.runner.execute(batch)
+            outputs += self.update(batch, logits)
+        if self.check_integrity:
+            self.kv.check_integrity(self.running)
+        return outputs
+
+    def schedule(self) -> ScheduledBatch:
+        """Decide this step's work and allocate its KV slots."""
+        batch = ScheduledBatch()
+        budget = self.config.max_prefill_tokens
+        chunk = self.config.chunk_limit or 1 << 62
+        for req in sorted(self.running, key=self._rank):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = req.num_uncomputed
+            if n > 1:  # still prefilling: takes from the prompt budget
+                n = min(n, chunk, budget)
+                if n <= 0:
+                    continue
+            if not self._allocate_or_preempt(req, n, batch):
+                continue
+            batch.items.append(ScheduledItem(req, n))
+            if req.num_uncomputed > 1:
+                budget -= n
+        self._admit(batch, budget, chunk)
+        return batch
+
+    def _allocate_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
+        while not self.kv.allocate(req, n):
+            victim = max(self.running, key=self._rank)
+            self._preempt(victim, batch)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, batch: ScheduledBatch, budget: int, chunk: int) -> None:
+        cfg = self.config
+        for req in self._admission_order():
+            if len(self.running) >= cfg.max_running_requests or budget <= 0:
+                break
+            if self._waits_for_leader(req):
+                continue
+            self.kv.match(req)
+            n = min(req.num_uncomputed, chunk, budget)
+            reserve = cfg.decode_reserve_tokens * len(self.running)
+            if self.kv.available < n + reserve:
+                self.kv.release(req)
+                req.num_computed_tokens = 0
+                break  # keep priority order: nobody behind it jumps the queue
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = req.cached_len
+                self.counters["prefix_cache_queries"] += req.num_prompt_tokens
+                self.counters["prefix_cache_hits"] += req.cached_len
+            assert self.kv.allocate(req, n)
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.items.append(ScheduledItem(req, n))
+            budget -= n
+
+    def update(self, batch: ScheduledBatch, logits) -> list[RequestOutput]:
+        """Advance token accounting, sample, apply stop rules, release finished requests."""
+        sampling = [item for item in batch.items if item.sample]
+        result = sample(logits, [item.request for item in sampling], self.eos_ids)
+        for item in batch.items:
+            req = item.request
+            prompt_done_before = req.num_computed_tokens >= req.num_prompt_tokens
+            req.num_computed_tokens += item.num_new
+            if not prompt_done_before and req.num_computed_tokens >= req.num_prompt_tokens:
+                self.kv.cache_prefix(req)  # share the prompt while the request decodes
+        self.counters["prompt_tokens"] += sum(i.num_new for i in batch.items if not i.sample)
+        outputs = []
+        for item, token, logprob in zip(sampling, result.token_ids, result.logprobs, strict=True):
+            req = item.request
+            outputs.append(self.outputs.on_token(req, token, logprob))
+            self.counters["generation_tokens"] += 1
+            if req.is_finished:
+                self.counters[f"finished_{req.finish_reason}"] += 1
+                self.kv.release(req)
+                self.running.remove(req)
+        return outputs
+
+    # ---- policy helpers -----------------------------------------------------------------------
+    @staticmethod
+    def _rank(req: Request) -> tuple[int, int]:
+        """Smaller runs first: priority, then arrival (so max() is the preemption victim)."""
+        return (req.priority, req.arrival_seq)
+
+    def _admission_order(self) -> list[Request]:
+        if (
+            self.config.schedule_policy == "lpm"
+            and self.kv.radix is not None
+            and len(self.waiting) <= LPM_MAX_QUEUE
+        ):
+            match = {id(r): self.kv.prefix_match_length(r) for r in self.waiting}
+            return sorted(self.waiting, key=lambda r: (r.priority, -match[id(r)], r.arrival_seq))
+        return sorted(self.waiting, key=self._rank)
+
+    def _waits_for_leader(self, req: Request) -> bool:
+        """n > 1 siblings start after the leader's prompt is in the prefix cache."""
+        leader = req.group_leader
+        return (
+            self.kv.radix is not None
+            and leader is not None
+            and not leader.is_finished
+            and leader.num_computed_tokens < leader.num_prompt_tokens
+        )
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        batch.items = [item for item in batch.items if item.request is not req]
+        self.kv.release(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.running.remove(req)
+        self.waiting.append(req)
+        batch.preempted.append(req)
+        self.counters["preemptions"] += 1
+        log.debug("preempted %s (%d tokens)", req.request_id, req.num_tokens)
+
+    def _abort(self, req: Request, error: str | None) -> RequestOutput:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.release(req)
+        self.counters["aborted"] += 1
+        return self.outputs.on_abort(req, "abort", error)
+
+    def _expire_deadlines(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        expired = [
+            r for r in self.running + self.waiting if r.deadline is not None and r.deadline < now
+        ]
+        return [self._abort(r, "request timed out") for r in expired]
+
+    def abort_all(self, error: str) -> list[RequestOutput]:
+        """Fail every request (engine shutdown or a failed step)."""
+        return [self._abort(r, error) for r in list(self.running) + list(self.waiting)]
