@@ -1,0 +1,46 @@
+"""Drive a Scheduler step by step (no thread), with requests arriving at chosen steps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mci.core.request import Request
+from mci.core.sampling_params import SamplingParams
+from mci.engine import build_scheduler
+from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
+
+
+def make_scheduler(model, tokenizer, path, *, max_total_tokens=4096, radix=True, **sched):
+    config = EngineConfig(
+        model=ModelPlacement(model_path=path, dtype="float32"),
+        cache=CacheConfig(max_total_tokens=max_total_tokens, disable_radix_cache=not radix),
+        scheduler=dataclasses.replace(SchedulerConfig(), **sched),
+        check_integrity=True,
+    )
+    return build_scheduler(config, model, tokenizer)
+
+
+def drive(scheduler, arrivals: dict[int, list[Request]], max_steps: int = 10_000) -> dict:
+    """Run until every request has finished; returns request_id -> final RequestOutput."""
+    finals, step = {}, 0
+    pending = {k: list(v) for k, v in arrivals.items()}
+    while pending or scheduler.has_work:
+        for req in pending.pop(step, []):
+            out = scheduler.add_request(req)
+            if out is not None:
+                finals[out.request_id] = out
+        for out in scheduler.step():
+            if out.finished:
+                finals[out.request_id] = out
+        step += 1
+        assert step < max_steps, "scheduler made no progress"
+    scheduler.kv.check_integrity([])
+    radix = scheduler.kv.radix
+    assert radix is None or radix.protected_tokens == 0, "a radix lock leaked"
+    if radix is None:
+        assert scheduler.kv.pool.num_free == scheduler.kv.pool.num_slots
+    return finals
+
+
+def greedy(max_new_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, **kw)

@@ -1,0 +1,113 @@
+"""Batched sampler semantics: penalties, filters, seeds, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mci.core.request import Request
+from mci.core.sampling_params import SamplingParams
+from mci.errors import UserError
+from mci.runner.sampler import sample
+
+
+def _req(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
+    r = Request("x", list(prompt), params)
+    for t in output:
+        r.append_token(t)
+    return r
+
+
+def _logits(vocab=16, seed=0):
+    return torch.randn(1, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_and_degenerate_filters_equal_argmax():
+    logits = _logits()
+    best = int(logits.argmax())
+    for params in (
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+        SamplingParams(temperature=1.0, min_p=1.0),
+    ):
+        assert sample(logits, [_req(params)], ()).token_ids == [best]
+
+
+def test_repetition_penalty_matches_hf_rule():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    r = _req(SamplingParams(temperature=0, repetition_penalty=4.0), prompt=(0,), output=(1,))
+    # token 0: 2.0 / 4 = 0.5; token 1: -2 * 4 = -8; token 2 untouched (1.0) wins
+    assert sample(logits, [r], ()).token_ids == [2]
+
+
+def test_frequency_and_presence_penalties():
+    logits = torch.tensor([[3.0, 2.5, 0.0]])
+    r = _req(
+        SamplingParams(temperature=0, frequency_penalty=0.4, presence_penalty=0.5), output=(0, 0)
+    )
+    # token 0: 3.0 - 0.4*2 - 0.5 = 1.7 < 2.5
+    assert sample(logits, [r], ()).token_ids == [1]
+
+
+def test_min_new_tokens_masks_eos_and_stop_ids():
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]])
+    r = _req(SamplingParams(temperature=0, min_new_tokens=2, stop_token_ids=(2,)))
+    assert sample(logits, [r], eos_ids=(1,)).token_ids == [3]
+
+
+def test_seeded_draws_do_not_depend_on_batch_neighbours():
+    logits = _logits(vocab=64, seed=3).repeat(3, 1)
+    solo = [sample(logits[:1], [_req(SamplingParams(seed=7))], ()).token_ids[0] for _ in range(1)]
+    reqs = [_req(SamplingParams(seed=1)), _req(SamplingParams(seed=7)), _req(SamplingParams())]
+    draws = sample(logits, reqs, ()).token_ids
+    assert draws[1] == solo[0]
+    again = [_req(SamplingParams(seed=7)) for _ in range(2)]
+    seq_a = [sample(logits[:1], [again[0]], ()).token_ids[0] for _ in range(20)]
+    seq_b = [sample(logits[:1], [again[1]], ()).token_ids[0] for _ in range(20)]
+    assert seq_a == seq_b and len(set(seq_a)) > 1
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    r = _req(SamplingParams(seed=0))
+    counts = (
+        torch.bincount(
+            torch.tensor([sample(logits, [r], ()).token_ids[0] for _ in range(3000)]), minlength=3
+        ).float()
+        / 3000
+    )
+    assert torch.allclose(counts, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_top_p_keeps_the_nucleus_only():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    r = _req(SamplingParams(top_p=0.8, seed=1))
+    seen = {sample(logits, [r], ()).token_ids[0] for _ in range(300)}
+    assert seen == {0, 1}
+
+
+def test_logprobs_are_of_the_raw_distribution():
+    logits = _logits()
+    r = _req(SamplingParams(temperature=0, logprobs=3, repetition_penalty=1.5))
+    res = sample(logits, [r], ())
+    lp, alts = res.logprobs[0]
+    raw = torch.log_softmax(logits[0], -1)
+    assert lp == pytest.approx(float(raw[res.token_ids[0]]))
+    assert [a for a, _ in alts] == raw.topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"max_new_tokens": 0},
+        {"n": 0},
+        {"logprobs": 50},
+        {"stop": ["", "x"]},
+    ],
+)
+def test_invalid_params_are_user_errors(bad):
+    with pytest.raises(UserError):
+        SamplingParams(**bad)
