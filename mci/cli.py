@@ -12,9 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+from mci.engine_config import DEFAULT_MODEL, add_config_args, config_from_args
 from mci.errors import UserError
 
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "default-model"
+__all__ = ["DEFAULT_MODEL", "main"]
+
 EXIT_USAGE = 2
 
 
@@ -45,28 +47,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model-path",
-        type=Path,
-        default=DEFAULT_MODEL,
-        help="checkpoint directory (default: the bundled model)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float16", "float32"],
-        help="activation dtype; auto = the checkpoint's (FP8 weights compute in it)",
-    )
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
     from mci.generate import generate
     from mci.models.loader import load_model
     from mci.tokenizer import TextTokenizer
 
     start = time.perf_counter()
-    model = load_model(args.model_path, args.dtype)
+    model = load_model(args.model_path, args.dtype, args.device)
     tokenizer = TextTokenizer.load(args.model_path)
     load_s = time.perf_counter() - start
     if args.chat:
@@ -134,12 +121,31 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run_batch(args: argparse.Namespace) -> int:
+    from mci.batch_api import run_batch
+    from mci.engine import Engine
+
+    if not args.input_file.is_file():
+        raise UserError(f"input file {args.input_file} does not exist")
+    engine = Engine(config_from_args(args))
+    try:
+        name = args.served_model_name or Path(args.model_path).name
+        counts = run_batch(engine, args.input_file, args.output_file, name)
+    finally:
+        engine.shutdown()
+    print(
+        f"{counts['ok']} succeeded, {counts['failed']} failed -> {args.output_file}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="mci", description="mission-critical inference for DeepSeek-V3")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     g = sub.add_parser("generate", help="generate text offline from one prompt")
-    _add_model_args(g)
+    add_config_args(g, sections=("model",))
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=_positive_int, default=64)
     g.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
@@ -162,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-mtp", action="store_true", help="leave the MTP layer's weights out")
     p.set_defaults(func=_cmd_plan)
+
+    b = sub.add_parser("run-batch", help="offline inference over an OpenAI Batch API file")
+    b.add_argument("-i", "--input-file", type=Path, required=True, help="requests JSONL")
+    b.add_argument("-o", "--output-file", type=Path, required=True, help="results JSONL")
+    b.add_argument("--served-model-name", default=None, help="model name in responses")
+    add_config_args(b)
+    b.set_defaults(func=_cmd_run_batch)
 
     m = sub.add_parser("make-checkpoint", help="write a seeded random DeepSeek-V3 checkpoint")
     m.add_argument("--size", default="tiny", help="tiny (~2M params) or small (~108M)")

@@ -173,9 +173,18 @@ class Engine:
         Returns the sample request ids (`id` for n = 1, `id-0 .. id-(n-1)` otherwise).
         """
         base = request_id or f"req-{uuid.uuid4().hex[:12]}"
-        return self._submit(self.encode_prompt(prompt), params, sink, base, priority, timeout_s)
+        return self.submit_ids(self.encode_prompt(prompt), params, sink, base, priority, timeout_s)
 
-    def _submit(self, ids, params, sink, base, priority, timeout_s) -> list[str]:
+    def submit_ids(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        base: str,
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> list[str]:
+        """`add_request` for an already tokenised, validated prompt (see `encode_prompt`)."""
         if self._stopped.is_set():
             raise RuntimeError("engine is shut down")
         limit = self.model.cfg.max_position_embeddings
@@ -224,7 +233,7 @@ class Engine:
         submitted = []
         for ids in encoded:
             base = f"gen-{next(self._ids)}"
-            submitted.append((base, self._submit(ids, params, sink, base, 0, timeout_s)))
+            submitted.append((base, self.submit_ids(ids, params, sink, base, 0, timeout_s)))
         wanted = [rid for _, rids in submitted for rid in rids]
         with cond:
             cond.wait_for(lambda: all(r in done for r in wanted) or self._stopped.is_set())

@@ -91,9 +91,9 @@ def _arg_type(tp):
     return tp
 
 
-def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per field of every section."""
-    for cls in SECTIONS.values():
+def add_config_args(parser: argparse.ArgumentParser, sections=tuple(SECTIONS)) -> None:
+    """Add one flag per field of the named sections."""
+    for cls in (SECTIONS[name] for name in sections):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
