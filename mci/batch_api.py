@@ -91,7 +91,7 @@ def run_batch(engine: Engine, input_path: Path, output_path: Path, model_name: s
     progress.total = len(wanted)
     progress.refresh()
     with lock:
-        lock.wait_for(lambda: all(r in finals for r in wanted))
+        engine.run_until(lambda: all(r in finals for r in wanted), lock)
     progress.close()
 
     counts = {"ok": 0, "failed": 0}

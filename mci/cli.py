@@ -127,7 +127,7 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
 
     if not args.input_file.is_file():
         raise UserError(f"input file {args.input_file} does not exist")
-    engine = Engine(config_from_args(args))
+    engine = Engine(config_from_args(args), background=False)
     try:
         name = args.served_model_name or Path(args.model_path).name
         counts = run_batch(engine, args.input_file, args.output_file, name)

@@ -110,7 +110,12 @@ def build_scheduler(
 class Engine:
     """Continuous-batching engine over one model. Thread-safe; `shutdown()` when done.
 
-    `model`/`tokenizer` may be passed in to share one loaded model between engines (tests).
+    `background=True` runs the loop on its own thread (needed for `stream`). With
+    `background=False` the loop runs inside `generate()` on the caller's thread, as vLLM's
+    offline `LLM.generate` does: torch's OpenMP pool is ~2x slower on a second thread once the
+    main thread has its own pool (libgomp stops spin-waiting when teams oversubscribe the
+    cores), so offline batch work should not hop threads. `model`/`tokenizer` may be passed in
+    to share one loaded model between engines (tests).
     """
 
     def __init__(
@@ -118,6 +123,7 @@ class Engine:
         config: EngineConfig | None = None,
         model: DeepseekV3ForCausalLM | None = None,
         tokenizer: TextTokenizer | None = None,
+        background: bool = True,
     ):
         self.config = config or EngineConfig()
         placement = self.config.model
@@ -135,8 +141,10 @@ class Engine:
         self._sinks: dict[str, Sink] = {}
         self._stopped = threading.Event()
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="mci-engine", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._loop, name="mci-engine", daemon=True)
+            self._thread.start()
 
     def _weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -194,15 +202,15 @@ class Engine:
                 f"({params.max_new_tokens}) exceeds the context length {limit}"
             )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        reqs, leader = [], None
+        reqs = []
         for i in range(params.n):
             p, rid = params, base
             if params.n > 1:  # each sample is its own request; seeds differ per sample
                 seed = None if params.seed is None else params.seed + i
                 p, rid = dataclasses.replace(params, n=1, seed=seed), f"{base}-{i}"
-            req = Request(rid, ids, p, priority=priority, deadline=deadline, group_leader=leader)
-            leader = leader or req
-            reqs.append(req)
+            # Samples share the prompt: the scheduler defers siblings until the first one's
+            # prefill is in the prefix cache, then they reuse it.
+            reqs.append(Request(rid, ids, p, priority=priority, deadline=deadline))
             self._sinks[rid] = sink
         self._commands.put(("add", reqs))
         return [r.request_id for r in reqs]
@@ -236,13 +244,26 @@ class Engine:
             submitted.append((base, self.submit_ids(ids, params, sink, base, 0, timeout_s)))
         wanted = [rid for _, rids in submitted for rid in rids]
         with cond:
-            cond.wait_for(lambda: all(r in done for r in wanted) or self._stopped.is_set())
+            self.run_until(lambda: all(r in done for r in wanted), cond)
         return [
             GenerateResult(
                 base, ids, [done.get(r) or _aborted(r, "engine shut down") for r in rids]
             )
             for (base, rids), ids in zip(submitted, encoded, strict=True)
         ]
+
+    def run_until(self, predicate: Callable[[], bool], cond: threading.Condition) -> None:
+        """Return once `predicate()` holds (or the engine stops). The caller holds `cond`, which
+        its sinks notify. Without a background thread the loop is driven here."""
+        while not predicate() and not self._stopped.is_set():
+            if self._thread is None:
+                cond.release()
+                try:
+                    self._run_once(wait=False)
+                finally:
+                    cond.acquire()
+            else:
+                cond.wait(timeout=0.1)
 
     async def stream(
         self,
@@ -255,6 +276,8 @@ class Engine:
         """Yield each step's output of a single-sample request; aborts it if the consumer stops."""
         if params.n != 1:
             raise UserError("stream() takes n = 1; submit samples separately")
+        if self._thread is None:
+            raise RuntimeError("stream() needs an Engine with background=True")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = self.add_request(
@@ -278,24 +301,29 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopped.is_set():
-            block = not self.scheduler.has_work
-            try:
-                self._handle(
-                    self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
-                )
-                while True:
-                    self._handle(self._commands.get_nowait())
-            except queue.Empty:
-                pass
-            if not self.scheduler.has_work:
-                continue
-            try:
-                outputs = self.scheduler.step()
-            except Exception as exc:  # a failed step must not kill the engine or hang callers
-                log.exception("engine step failed; aborting in-flight requests")
-                outputs = self.scheduler.abort_all(f"internal error: {exc}")
-            self._dispatch(outputs)
+            self._run_once(wait=True)
         self._dispatch(self.scheduler.abort_all("engine shut down"))
+
+    def _run_once(self, wait: bool) -> None:
+        """Take queued commands (waiting briefly when idle and `wait`), then step once."""
+        idle = not self.scheduler.has_work
+        try:
+            first = (
+                self._commands.get(timeout=0.05) if idle and wait else self._commands.get_nowait()
+            )
+            self._handle(first)
+            while True:
+                self._handle(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        if not self.scheduler.has_work:
+            return
+        try:
+            outputs = self.scheduler.step()
+        except Exception as exc:  # a failed step must not kill the engine or hang callers
+            log.exception("engine step failed; aborting in-flight requests")
+            outputs = self.scheduler.abort_all(f"internal error: {exc}")
+        self._dispatch(outputs)
 
     def _handle(self, command) -> None:
         kind, arg = command
@@ -342,6 +370,8 @@ class Engine:
             done.set()
 
         self._commands.put(("call", check))
+        if self._thread is None:
+            self._run_once(wait=False)
         done.wait(30)
         if errors:
             raise errors[0]
@@ -349,7 +379,10 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the loop; unfinished requests get an aborted output."""
         self._stopped.set()
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        else:
+            self._dispatch(self.scheduler.abort_all("engine shut down"))
 
     def __enter__(self):
         return self

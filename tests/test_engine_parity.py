@@ -119,9 +119,8 @@ def test_n_samples_share_the_prompt(setup, expected):
     path, model, tok = setup
     sched = make_scheduler(model, tok, path)
     prompt = list(range(100, 140))
-    leader = Request("s-0", prompt, greedy(6))
-    siblings = [Request(f"s-{i}", prompt, greedy(6), group_leader=leader) for i in range(1, 4)]
-    finals = drive(sched, {0: [leader, *siblings]})
+    samples = [Request(f"s-{i}", prompt, greedy(6)) for i in range(4)]
+    finals = drive(sched, {0: samples})
     solo = generate(model, prompt, 6).token_ids
     assert all(finals[f"s-{i}"].output_token_ids == solo for i in range(4))
     assert all(finals[f"s-{i}"].num_cached_tokens == len(prompt) - 1 for i in range(1, 4))

@@ -43,7 +43,6 @@ class Request:
     params: SamplingParams
     priority: int = 0  # smaller runs first (vLLM's convention)
     deadline: float | None = None  # time.monotonic() after which the request is aborted
-    group_leader: Request | None = None  # n > 1: siblings wait for the leader's prefill
     # --- state -----------------------------------------------------------------------------
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -144,12 +144,18 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, L, H, nope], [B, L, H, v]
         k = torch.cat((k_nope, k_rope[:, :, None, :].expand(-1, -1, self.num_heads, -1)), dim=-1)
         q = self._pad(torch.cat((q_nope, q_rope), dim=-1), meta)  # [B, Q, H, nope + rope]
-        mask = None if meta.mask is None else meta.mask[:, None]  # [B, 1, Q, L]
+        # SDPA's fused kernels need v's head dim equal to q/k's: zero-pad v, slice the output.
+        qk_dim = self.nope + self.rope_dim
+        if self.v_dim < qk_dim:
+            v = F.pad(v, (0, qk_dim - self.v_dim))
+        causal = meta.batch_size == 1 and meta.max_query_len == length  # fresh prompt: no mask
+        mask = None if causal or meta.mask is None else meta.mask[:, None]  # [B, 1, Q, L]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
             attn_mask=mask,
+            is_causal=causal,
             scale=self.scale,
-        )  # [B, H, Q, v]
-        return self._unpad(out.transpose(1, 2), meta)  # [T, H, v]
+        )  # [B, H, Q, qk_dim]
+        return self._unpad(out.transpose(1, 2)[..., : self.v_dim], meta)  # [T, H, v]

@@ -31,6 +31,9 @@ from mci.scheduler.output_processor import OutputProcessor
 log = logging.getLogger("mci")
 
 LPM_MAX_QUEUE = 128  # beyond this, prefix matching every waiting request costs too much: fcfs
+# Defer a request whose prompt shares at least this many uncached tokens with a prompt still
+# being prefilled: once that prefill lands in the radix tree, it reuses it instead.
+SHARED_PREFIX_DEFER_TOKENS = 32
 
 
 class Scheduler:
@@ -122,12 +125,15 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: int, chunk: int) -> None:
         cfg = self.config
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         for req in self._admission_order():
             if len(self.running) >= cfg.max_running_requests or budget <= 0:
                 break
-            if self._waits_for_leader(req):
-                continue
             self.kv.match(req)
+            if self._shares_prefill_in_flight(req, prefilling):
+                self.kv.release(req)
+                req.num_computed_tokens = 0
+                continue
             n = min(req.num_uncomputed, chunk, budget)
             reserve = cfg.decode_reserve_tokens * len(self.running)
             if self.kv.available < n + reserve:
@@ -144,6 +150,7 @@ class Scheduler:
             self.running.append(req)
             batch.items.append(ScheduledItem(req, n))
             budget -= n
+            prefilling.append(req)
 
     def update(self, batch: ScheduledBatch, logits) -> list[RequestOutput]:
         """Advance token accounting, sample, apply stop rules, release finished requests."""
@@ -183,15 +190,18 @@ class Scheduler:
             return sorted(self.waiting, key=lambda r: (r.priority, -match[id(r)], r.arrival_seq))
         return sorted(self.waiting, key=self._rank)
 
-    def _waits_for_leader(self, req: Request) -> bool:
-        """n > 1 siblings start after the leader's prompt is in the prefix cache."""
-        leader = req.group_leader
-        return (
-            self.kv.radix is not None
-            and leader is not None
-            and not leader.is_finished
-            and leader.num_computed_tokens < leader.num_prompt_tokens
-        )
+    def _shares_prefill_in_flight(self, req: Request, prefilling: list[Request]) -> bool:
+        """True when another request is computing a long stretch of this prompt right now
+        (e.g. n > 1 samples, or many requests on one system prompt): wait and reuse it."""
+        if self.kv.radix is None:
+            return False
+        threshold = req.cached_len + SHARED_PREFIX_DEFER_TOKENS
+        for other in prefilling:
+            if len(other.prompt_ids) < threshold or len(req.prompt_ids) < threshold:
+                continue
+            if other.prompt_ids[:threshold] == req.prompt_ids[:threshold]:
+                return True
+        return False
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         batch.items = [item for item in batch.items if item.request is not req]
