@@ -31,6 +31,7 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) scripts/bench_decode.py
+	$(PY) scripts/bench_offline.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

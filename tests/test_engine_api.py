@@ -133,3 +133,33 @@ def test_incremental_detokenizer_handles_split_utf8(checkpoint):
     assert "".join(deltas) == text
     assert "" in deltas[:-1], "no token split a character: the test exercises nothing"
     assert all("\ufffd" not in d for d in deltas)
+
+
+def test_foreground_engine_runs_the_loop_in_generate(checkpoint):
+    """background=False: generate() drives the loop on the caller's thread; stream() refuses."""
+    path = checkpoint()
+    eng = Engine(
+        EngineConfig(
+            model=ModelPlacement(model_path=path, dtype="float32"),
+            cache=CacheConfig(max_total_tokens=4096),
+            check_integrity=True,
+        ),
+        background=False,
+    )
+    try:
+        res = eng.generate(
+            ["def f(x):", "import os"],
+            SamplingParams(max_new_tokens=5, temperature=0.8, seed=3, n=2),
+        )
+        assert [len(r.outputs) for r in res] == [2, 2]
+        assert all(len(o.output_token_ids) <= 5 and o.finished for r in res for o in r.outputs)
+        eng.check_idle_integrity()
+
+        async def try_stream():
+            async for _ in eng.stream("x", _greedy(2)):
+                pass
+
+        with pytest.raises(RuntimeError, match="background"):
+            asyncio.run(try_stream())
+    finally:
+        eng.shutdown()

@@ -124,3 +124,24 @@ def test_n_samples_share_the_prompt(setup, expected):
     solo = generate(model, prompt, 6).token_ids
     assert all(finals[f"s-{i}"].output_token_ids == solo for i in range(4))
     assert all(finals[f"s-{i}"].num_cached_tokens == len(prompt) - 1 for i in range(1, 4))
+
+
+def test_priorities_are_honoured(setup):
+    """With one running slot, the best priority (smallest value) runs first, then arrival."""
+    path, model, tok = setup
+    sched = make_scheduler(model, tok, path, max_running_requests=1)
+    reqs = [
+        Request("late-low", [5, 6], greedy(2), priority=5),
+        Request("high", [7, 8], greedy(2), priority=-1),
+        Request("mid-a", [9, 10], greedy(2), priority=0),
+        Request("mid-b", [11, 12], greedy(2), priority=0),
+    ]
+    order = []
+    for r in reqs:
+        sched.add_request(r)
+    while sched.has_work:
+        for out in sched.step():
+            if out.finished:
+                order.append(out.request_id)
+    assert order == ["high", "mid-a", "mid-b", "late-low"]
+    assert 0.0 <= sched.prefix_cache_hit_rate <= 1.0

@@ -83,6 +83,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of admitted prompt tokens served from the radix cache (first admissions)."""
+        queries = self.counters["prefix_cache_queries"]
+        return self.counters["prefix_cache_hits"] / queries if queries else 0.0
+
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs = self._expire_deadlines()
