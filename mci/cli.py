@@ -12,7 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-from mci.engine_config import DEFAULT_MODEL, add_config_args, config_from_args
+from mci.engine_config import (
+    DEFAULT_MODEL,
+    add_config_args,
+    config_from_args,
+    server_config_from_args,
+)
 from mci.errors import UserError
 
 __all__ = ["DEFAULT_MODEL", "main"]
@@ -121,6 +126,12 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from mci.server.launch import serve
+
+    return serve(config_from_args(args), server_config_from_args(args))
+
+
 def _cmd_run_batch(args: argparse.Namespace) -> int:
     from mci.batch_api import run_batch
     from mci.engine import Engine
@@ -168,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-mtp", action="store_true", help="leave the MTP layer's weights out")
     p.set_defaults(func=_cmd_plan)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_config_args(s, sections=("model", "cache", "scheduler", "server"))
+    s.set_defaults(func=_cmd_serve)
 
     b = sub.add_parser("run-batch", help="offline inference over an OpenAI Batch API file")
     b.add_argument("-i", "--input-file", type=Path, required=True, help="requests JSONL")

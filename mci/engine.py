@@ -304,6 +304,33 @@ class Engine:
             self._run_once(wait=True)
         self._dispatch(self.scheduler.abort_all("engine shut down"))
 
+    def stats(self) -> dict:
+        """A snapshot for metrics (call on the loop thread, or with background=False)."""
+        sched, kv = self.scheduler, self.kv
+        radix = kv.radix
+        in_use = kv.pool.num_slots - kv.available  # held by requests or locked in the tree
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_slots": kv.pool.num_slots,
+            "free_slots": kv.pool.num_free,
+            "tree_tokens": radix.total_tokens if radix else 0,
+            "tree_locked_tokens": radix.protected_tokens if radix else 0,
+            "kv_cache_usage": in_use / kv.pool.num_slots,
+            "prefix_cache_hit_rate": sched.prefix_cache_hit_rate,
+            "counters": dict(sched.counters),
+        }
+
+    def check_integrity_now(self) -> None:
+        """Assert slot accounting right now, requests in flight included (loop thread only)."""
+        self.kv.check_integrity(self.scheduler.running)
+
+    def run_once(self, wait: bool = False) -> None:
+        """One loop iteration on the caller's thread (background=False engines only)."""
+        if self._thread is not None:
+            raise RuntimeError("run_once() is for background=False engines")
+        self._run_once(wait)
+
     def _run_once(self, wait: bool) -> None:
         """Take queued commands (waiting briefly when idle and `wait`), then step once."""
         idle = not self.scheduler.has_work

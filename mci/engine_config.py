@@ -72,6 +72,22 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP front end of `mci serve`."""
+
+    host: str = _opt("127.0.0.1", "address to bind (loopback by default)")
+    port: int = _opt(30000, "port to listen on")
+    served_model_name: str | None = _opt(None, "model name in the API (default: the directory)")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on the API")
+    context_length: int | None = _opt(None, "max prompt + output tokens (default: the model's)")
+    max_queued_requests: int = _opt(256, "requests waiting beyond the running batch before 429")
+    request_timeout: float | None = _opt(None, "seconds before a request is aborted")
+    drain_timeout: float = _opt(30.0, "seconds to let requests finish after SIGTERM")
+    max_request_bytes: int = _opt(4 * 2**20, "largest request body accepted (413 beyond)")
+    health_generate_timeout: float = _opt(20.0, "seconds /health_generate waits for a token")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the in-process Engine needs."""
 
@@ -82,6 +98,7 @@ class EngineConfig:
 
 
 SECTIONS = {"model": ModelPlacement, "cache": CacheConfig, "scheduler": SchedulerConfig}
+ALL_SECTIONS = {**SECTIONS, "server": ServerConfig}
 
 
 def _arg_type(tp):
@@ -93,7 +110,7 @@ def _arg_type(tp):
 
 def add_config_args(parser: argparse.ArgumentParser, sections=tuple(SECTIONS)) -> None:
     """Add one flag per field of the named sections."""
-    for cls in (SECTIONS[name] for name in sections):
+    for cls in (ALL_SECTIONS[name] for name in sections):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
@@ -109,6 +126,11 @@ def add_config_args(parser: argparse.ArgumentParser, sections=tuple(SECTIONS)) -
                     choices=choices,
                     help=f"{help_text} (default: {f.default})",
                 )
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    fields = dataclasses.fields(ServerConfig)
+    return ServerConfig(**{f.name: getattr(args, f.name) for f in fields})
 
 
 def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:

@@ -19,5 +19,7 @@ class RequestOutput:
     text: str = ""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    logprobs: list = field(default_factory=list)  # all so far: (logprob, [(id, lp), ...])
+    logprobs: list = field(default_factory=list)  # at the end, all: (logprob, [(id, lp), ...])
+    new_logprobs: list = field(default_factory=list)  # this step's tokens' logprobs
+    queue_time_s: float | None = None  # arrival -> first scheduled
     error: str | None = None  # set when the engine failed the request

@@ -63,6 +63,7 @@ class Request:
     # --- timing ------------------------------------------------------------------------------
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -104,4 +104,8 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_prompt_tokens,
             logprobs=list(req.logprobs) if req.is_finished else [],
+            new_logprobs=req.logprobs[len(req.logprobs) - len(new_ids) :] if req.logprobs else [],
+            queue_time_s=None
+            if req.first_scheduled_time is None
+            else req.first_scheduled_time - req.arrival_time,
         )

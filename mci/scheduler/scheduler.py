@@ -147,6 +147,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break  # keep priority order: nobody behind it jumps the queue
             if req.num_preemptions == 0:
+                req.first_scheduled_time = time.monotonic()
                 req.num_cached_prompt_tokens = req.cached_len
                 self.counters["prefix_cache_queries"] += req.num_prompt_tokens
                 self.counters["prefix_cache_hits"] += req.cached_len

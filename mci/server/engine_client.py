@@ -1,0 +1,192 @@
+"""The front end's handle on the engine process: submit, abort, receive, health.
+
+A reader thread receives the engine's messages and hands each output to its request's
+asyncio queue (thread-safe). If the engine process dies, every request in flight gets an
+error output at once and `alive` turns False, so `/health` fails and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import threading
+import time
+
+from mci.core.outputs import RequestOutput
+from mci.core.sampling_params import SamplingParams
+from mci.engine_config import EngineConfig
+from mci.errors import UserError
+from mci.server.engine_process import engine_main
+
+log = logging.getLogger("mci")
+
+
+class EngineDied(RuntimeError):
+    """The engine process is gone."""
+
+
+class EngineClient:
+    """Starts the engine process and multiplexes requests over its pipe."""
+
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 600):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=engine_main, args=(config, child), daemon=True, name="mci-engine"
+        )
+        self.process.start()
+        child.close()
+        if not self._conn.poll(start_timeout_s):
+            self.process.kill()
+            raise UserError("engine did not start in time")
+        msg = self._conn.recv()
+        if msg[0] == "failed":
+            self.process.join(5)
+            raise UserError(msg[1])
+        self.info: dict = msg[1]
+        self.stats: dict = dict(self.info)
+        self.alive = True
+        self._closing = False
+        self._send_lock = threading.Lock()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._state_waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._tokens = itertools.count()
+        self._reader = threading.Thread(target=self._read, name="mci-engine-reader", daemon=True)
+        self._reader.start()
+
+    # ---- sending ------------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        if not self.alive:
+            raise EngineDied("the engine process is not running")
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except (OSError, BrokenPipeError) as exc:
+            self._mark_dead()
+            raise EngineDied("the engine process is not running") from exc
+
+    def submit(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        queue: asyncio.Queue | None = None,
+    ) -> list[tuple[str, asyncio.Queue]]:
+        """Queue a request; returns (sample id, output queue) per sample (n of them).
+
+        Sample ids follow the engine's rule: `rid` for n = 1, else `rid-0 .. rid-(n-1)`.
+        Pass `queue` to receive every sample's outputs on one queue.
+        """
+        loop = asyncio.get_running_loop()
+        ids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        out = []
+        for sid in ids:
+            q: asyncio.Queue = queue or asyncio.Queue()
+            self._queues[sid] = (loop, q)
+            out.append((sid, q))
+        try:
+            self._send(("add", rid, prompt_ids, params, priority, timeout_s))
+        except EngineDied:
+            for sid in ids:
+                self._queues.pop(sid, None)
+            raise
+        return out
+
+    def abort(self, sample_id: str) -> None:
+        if self.alive and sample_id in self._queues:
+            try:
+                self._send(("abort", sample_id))
+            except EngineDied:
+                pass
+
+    async def state(self, timeout_s: float = 10) -> dict:
+        """The engine's stats plus a live integrity check of its slot accounting."""
+        loop = asyncio.get_running_loop()
+        token = next(self._tokens)
+        fut = loop.create_future()
+        self._state_waiters[token] = (loop, fut)
+        self._send(("state", token))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._state_waiters.pop(token, None)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    # ---- receiving ----------------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                self._mark_dead()
+                return
+            kind = msg[0]
+            if kind == "outputs":
+                self.stats = msg[2]
+                for out in msg[1]:
+                    self._deliver(out)
+            elif kind == "rejected":
+                _, rid, message = msg
+                for sid in [s for s in self._queues if s == rid or s.startswith(rid + "-")]:
+                    self._deliver(
+                        RequestOutput(
+                            sid, [], "", finished=True, finish_reason="abort", error=message
+                        )
+                    )
+            elif kind == "state":
+                entry = self._state_waiters.get(msg[1])
+                if entry:
+                    loop, fut = entry
+                    loop.call_soon_threadsafe(lambda f=fut, s=msg[2]: f.done() or f.set_result(s))
+
+    def _deliver(self, out: RequestOutput) -> None:
+        entry = self._queues.get(out.request_id)
+        if entry is None:
+            return
+        if out.finished:
+            self._queues.pop(out.request_id, None)
+        loop, q = entry
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, out)
+        except RuntimeError:  # the loop is closed (shutting down)
+            pass
+
+    def _mark_dead(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        if not self._closing:
+            log.error(
+                "engine process exited (code %s); failing %d requests in flight",
+                self.process.exitcode,
+                len(self._queues),
+            )
+        for sid in list(self._queues):
+            self._deliver(
+                RequestOutput(
+                    sid, [], "", finished=True, finish_reason="abort", error="engine process died"
+                )
+            )
+
+    def shutdown(self, timeout_s: float = 10) -> None:
+        self._closing = True
+        if self.alive:
+            try:
+                self._send(("shutdown", None))
+            except EngineDied:
+                pass
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.alive = False
+        deadline = time.monotonic() + 2
+        while self._reader.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)

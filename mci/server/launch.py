@@ -1,0 +1,106 @@
+"""`mci serve`: start the engine process, then the HTTP front end; drain on SIGTERM.
+
+SIGTERM: /health turns 503 and new requests get 503 at once, requests in flight run to
+completion (up to --drain-timeout), then the server stops, the engine process is shut down,
+and the command exits 0. A second signal (or SIGINT) stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from mci.config import load_config
+from mci.engine_config import EngineConfig, ServerConfig
+from mci.errors import UserError
+from mci.server.app import ServerState, build_app
+from mci.server.engine_client import EngineClient
+from mci.tokenizer import TextTokenizer
+
+log = logging.getLogger("mci")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM drains instead of closing connections."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM and not self.state.draining:
+            self.state.draining = True
+            log.info(
+                "SIGTERM: draining %d requests (up to %.0fs)",
+                self.state.client.num_in_flight,
+                self.state.config.drain_timeout,
+            )
+            threading.Thread(target=self._drain, daemon=True).start()
+            return
+        super().handle_exit(sig, frame)
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.state.config.drain_timeout
+        while self.state.client.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.should_exit = True
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    path = Path(engine_config.model.model_path)
+    if not path.is_dir():
+        raise UserError(f"model directory {path} does not exist")
+    model_config = load_config(path)
+    tokenizer = TextTokenizer.load(path)
+    if server_config.context_length is not None and not (
+        0 < server_config.context_length <= model_config.max_position_embeddings
+    ):
+        raise UserError(f"--context-length must be in 1..{model_config.max_position_embeddings}")
+    client = EngineClient(engine_config)
+    info = client.info
+    name = server_config.served_model_name or path.name
+    state = ServerState(
+        client,
+        tokenizer,
+        model_config,
+        server_config,
+        name,
+        engine_config.scheduler.max_running_requests,
+    )
+    log.info(
+        "model %s (%s) from %s: %.1f MB of weights",
+        name,
+        engine_config.model.dtype,
+        path,
+        info["weight_bytes"] / 1e6,
+    )
+    log.info(
+        "%d tokens of KV; radix cache %s",
+        info["num_slots"],
+        "off" if engine_config.cache.disable_radix_cache else "on",
+    )
+    uv = uvicorn.Config(
+        build_app(state),
+        host=server_config.host,
+        port=server_config.port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        lifespan="off",
+    )
+    server = DrainingServer(uv, state)
+    log.info(
+        "serving on http://%s:%d (OpenAI API under /v1)", server_config.host, server_config.port
+    )
+    try:
+        server.run()
+    finally:
+        client.shutdown()
+    if not server.started:
+        raise UserError(f"could not listen on {server_config.host}:{server_config.port}")
+    log.info("stopped")
+    return 0

@@ -1,0 +1,91 @@
+"""Prometheus metrics, named like vLLM's (with our `mci:` prefix) so dashboards port.
+
+One registry per server (no module globals). Request-level timings are observed by the front
+end from the outputs it streams; engine gauges come from the engine's latest stats snapshot,
+read at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class ServerMetrics:
+    """All metrics of one server; `render()` returns the Prometheus text format."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self.registry = r = CollectorRegistry()
+        self._stats = stats
+        self.ttft = Histogram(
+            "mci:time_to_first_token_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "mci:inter_token_latency_seconds",
+            "Time between output tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "mci:e2e_request_latency_seconds",
+            "Request latency end to end",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "mci:request_queue_time_seconds",
+            "Time waiting before first scheduled",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("mci:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("mci:generation_tokens", "Tokens generated", registry=r)
+        self.success = Counter(
+            "mci:request_success", "Finished requests", ["finished_reason"], registry=r
+        )
+        self.rejected = Counter("mci:requests_rejected", "Requests refused (429/503)", registry=r)
+        self.aborted = Counter(
+            "mci:requests_aborted",
+            "Requests aborted (client gone, timeout, engine error)",
+            registry=r,
+        )
+        gauges = {
+            "mci:num_requests_running": ("Requests in the running batch", "num_running"),
+            "mci:num_requests_waiting": ("Requests waiting to be scheduled", "num_waiting"),
+            "mci:kv_cache_usage_perc": ("KV slots held by requests (0-1)", "kv_cache_usage"),
+            "mci:prefix_cache_hit_rate": (
+                "Prompt tokens served from the prefix cache (0-1)",
+                "prefix_cache_hit_rate",
+            ),
+        }
+        for name, (doc, key) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(lambda k=key: float(self._stats().get(k, 0)))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
