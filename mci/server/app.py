@@ -288,8 +288,13 @@ class Submission:
                 m.success.labels(finished_reason=out.finish_reason).inc()
 
     def abort(self) -> None:
+        """Abort every unfinished sample (client gone); counted here, since nobody will read
+        their final outputs."""
         for sid in list(self.remaining):
             self.state.client.abort(sid)
+            self.state.metrics.aborted.inc()
+            self.state.metrics.e2e.observe(time.monotonic() - self.trackers.pop(sid).start)
+        self.remaining.clear()
 
     async def collect(self, request: Request) -> dict[str, RequestOutput]:
         """Wait for every sample to finish; abort them all if the client goes away."""

@@ -1,0 +1,84 @@
+"""Start and stop a real `mci serve` on 127.0.0.1 for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """`mci serve` in a subprocess; `url` is its base URL. Use as a context manager."""
+
+    def __init__(self, model_path, *flags: str, startup_s: float = 120):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "mci",
+            "serve",
+            "--model-path",
+            str(model_path),
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            *flags,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        deadline = time.monotonic() + startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not become healthy")
+
+    def state(self) -> dict:
+        return httpx.get(self.url + "/internal/state", timeout=10).json()
+
+    def wait_idle(self, timeout_s: float = 20) -> dict:
+        """Poll until nothing is in flight; returns the engine state."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.state()
+            if (
+                state["in_flight"] == 0 and state["num_running"] == 0 and state["num_waiting"] == 0
+            ) or time.monotonic() > deadline:
+                return state
+            time.sleep(0.1)
+
+    def stop(self, sig=signal.SIGINT) -> int:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

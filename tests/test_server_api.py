@@ -1,0 +1,220 @@
+"""The official openai client against a live `mci serve`: API shapes and every error path."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_helpers import LiveServer
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with LiveServer(
+        checkpoint(),
+        "--served-model-name",
+        MODEL,
+        "--max-total-tokens",
+        "16384",
+        "--max-request-bytes",
+        "200000",
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_and_usage(client):
+    r = client.completions.create(
+        model=MODEL,
+        prompt="def f(x):",
+        max_tokens=7,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    assert r.choices[0].index == 0 and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 7 and r.usage.total_tokens == r.usage.prompt_tokens + 7
+
+
+def test_completion_prompt_forms_and_n(client):
+    r = client.completions.create(
+        model=MODEL, prompt=["a", "b"], max_tokens=3, n=2, seed=1, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    ids = client.completions.create(
+        model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
+def test_streaming_completion_matches_non_streaming(client):
+    kwargs = dict(
+        model=MODEL,
+        prompt="import os\n",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.completions.create(**kwargs).choices[0].text
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_stop_and_seed(client):
+    base = dict(
+        model=MODEL,
+        prompt="class A:",
+        max_tokens=30,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.completions.create(**base).choices[0].text
+    stop = full[5:8]
+    cut = client.completions.create(stop=[stop], **base).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+    sampled = dict(
+        model=MODEL,
+        prompt="x",
+        max_tokens=12,
+        temperature=1.0,
+        seed=42,
+        extra_body={"ignore_eos": True},
+    )
+    a = client.completions.create(**sampled).choices[0].text
+    assert a == client.completions.create(**sampled).choices[0].text
+
+
+def test_chat_stream_and_logprobs(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_completion_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.object == "chat.completion" and len(r.choices) == 2
+    assert r.choices[0].message.role == "assistant"
+    assert len(r.choices[0].logprobs.content) == 5
+    assert len(r.choices[0].logprobs.content[0].top_logprobs) == 2
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            stream=True,
+            temperature=0,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == 6
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert streamed == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"max_tokens": 5000}, "max_tokens"),  # beyond the context length
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 2}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"extra_body": {"top_k": "many"}}, "top_k"),
+        ({"extra_body": {"stop": [1, 2]}}, "stop"),
+    ],
+)
+def test_bad_parameters_are_400_with_param(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", **kwargs)
+    err = info.value.body
+    assert info.value.status_code == 400 and err["param"] == param and err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+def test_unknown_model_and_malformed_json(server, client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="gpt-9", prompt="x")
+    assert info.value.body["code"] == "model_not_found"
+    raw = httpx.post(
+        server.url + "/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert raw.status_code == 400 and "malformed JSON" in raw.json()["error"]["message"]
+    wrong = httpx.post(server.url + "/v1/chat/completions", json={"messages": "hi"})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "messages"
+    bad_ids = httpx.post(server.url + "/v1/completions", json={"prompt": [10**9]})
+    assert bad_ids.status_code == 400
+
+
+def test_body_over_limit_is_413(server):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x" * 300_000})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_native_generate_health_and_metrics(server):
+    r = httpx.post(
+        server.url + "/generate",
+        json={"text": "def", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}},
+    )
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 3
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/health_generate").status_code == 200
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "mci:time_to_first_token_seconds",
+        "mci:inter_token_latency_seconds",
+        "mci:e2e_request_latency_seconds",
+        "mci:request_queue_time_seconds",
+        "mci:prompt_tokens_total",
+        "mci:generation_tokens_total",
+        "mci:request_success_total",
+        "mci:requests_rejected_total",
+        "mci:requests_aborted_total",
+        "mci:num_requests_running",
+        "mci:num_requests_waiting",
+        "mci:kv_cache_usage_perc",
+        "mci:prefix_cache_hit_rate",
+    ):
+        assert name in text, name
+    state = server.wait_idle()
+    assert state["integrity_ok"] and state["kv_cache_usage"] == 0
+
+
+def test_api_key(checkpoint):
+    with LiveServer(checkpoint(), "--api-key", "s3cret", "--max-total-tokens", "2048") as s:
+        bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as info:
+            bad.models.list()
+        assert info.value.status_code == 401
+        assert httpx.get(s.url + "/v1/models").status_code == 401  # no header at all
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        assert (
+            good.completions.create(
+                model=good.models.list().data[0].id, prompt="x", max_tokens=2
+            ).usage.completion_tokens
+            >= 1
+        )
+        assert httpx.get(s.url + "/health").status_code == 200  # probes need no key
