@@ -6,16 +6,19 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PROMPT ?= def fibonacci(n):
 
-.PHONY: run test test-slow lint bench clean
+.PHONY: run generate test test-slow lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
 run: $(VENV)/.installed
+	$(VENV)/bin/mci serve
+
+generate: $(VENV)/.installed
 	$(VENV)/bin/mci generate --prompt "$(PROMPT)" --max-new-tokens 32
 
 test: $(VENV)/.installed

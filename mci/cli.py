@@ -132,6 +132,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(config_from_args(args), server_config_from_args(args))
 
 
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from mci.bench.serve import main as bench_main
+
+    return bench_main(args)
+
+
 def _cmd_run_batch(args: argparse.Namespace) -> int:
     from mci.batch_api import run_batch
     from mci.engine import Engine
@@ -184,6 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(s, sections=("model", "cache", "scheduler", "server"))
     s.set_defaults(func=_cmd_serve)
 
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(
+        dest="bench_command", required=True, parser_class=OneLineParser
+    )
+    bs = bench_sub.add_parser("serve", help="serving benchmark against an OpenAI-compatible server")
+    from mci.bench.serve import add_arguments
+
+    add_arguments(bs)
+    bs.set_defaults(func=_cmd_bench_serve)
+
     b = sub.add_parser("run-batch", help="offline inference over an OpenAI Batch API file")
     b.add_argument("-i", "--input-file", type=Path, required=True, help="requests JSONL")
     b.add_argument("-o", "--output-file", type=Path, required=True, help="results JSONL")
@@ -213,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="mci: %(message)s", stream=sys.stderr)
+    for noisy in ("httpx", "httpcore", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)

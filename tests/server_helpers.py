@@ -24,19 +24,9 @@ class LiveServer:
     def __init__(self, model_path, *flags: str, startup_s: float = 120):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "mci",
-            "serve",
-            "--model-path",
-            str(model_path),
-            "--port",
-            str(self.port),
-            "--dtype",
-            "float32",
-            *flags,
-        ]
+        cmd = [sys.executable, "-m", "mci", "serve", "--port", str(self.port), *flags]
+        if model_path is not None:  # None: the bundled default model, as `make run` serves
+            cmd += ["--model-path", str(model_path), "--dtype", "float32"]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
