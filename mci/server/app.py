@@ -9,15 +9,13 @@ disconnects has its samples aborted at once (the engine frees their KV slots in 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mci.config import ModelConfig
@@ -26,40 +24,21 @@ from mci.core.sampling_params import SamplingParams
 from mci.engine_config import ServerConfig
 from mci.errors import UserError
 from mci.server import protocol
-from mci.server.engine_client import EngineClient, EngineDied
+from mci.server.engine_client import EngineClient
+from mci.server.errors import HTTPError, error_response
+from mci.server.guard import GuardMiddleware
 from mci.server.metrics import ServerMetrics
+from mci.server.streaming import (
+    native_finish_reason,
+    stream_chat,
+    stream_completion,
+    stream_native,
+    streaming_response,
+)
+from mci.server.submission import Submission
 from mci.tokenizer import TextTokenizer
 
 log = logging.getLogger("mci")
-
-OPEN_PATHS = ("/health", "/health_generate", "/metrics")  # no API key needed
-
-
-class HTTPError(Exception):
-    """An error answered with OpenAI's error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str,
-        param=None,
-        code=None,
-        headers: dict | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.type, self.param, self.code = status, type_, param, code
-        self.headers = headers
-
-
-def error_body(message: str, type_: str, param=None, code=None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def error_response(exc: HTTPError) -> JSONResponse:
-    return JSONResponse(
-        error_body(str(exc), exc.type, exc.param, exc.code), exc.status, headers=exc.headers
-    )
 
 
 @dataclass
@@ -83,77 +62,6 @@ class ServerState:
         return self.config.context_length or self.model_config.max_position_embeddings
 
 
-class GuardMiddleware:
-    """ASGI middleware: 413 for bodies over the limit, 401 without the right API key."""
-
-    def __init__(self, app, config: ServerConfig):
-        self.app, self.config = app, config
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.config.api_key and not scope["path"].startswith(OPEN_PATHS):
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            given = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), self.config.api_key.encode()):
-                return await self._reply(
-                    send,
-                    HTTPError(
-                        401, "invalid API key", "authentication_error", code="invalid_api_key"
-                    ),
-                )
-        limit = self.config.max_request_bytes
-        too_large = HTTPError(
-            413,
-            f"request body exceeds {limit} bytes",
-            "invalid_request_error",
-            code="request_too_large",
-        )
-        try:
-            if int(headers.get(b"content-length", b"0")) > limit:
-                return await self._reply(send, too_large)
-        except ValueError:
-            return await self._reply(
-                send, HTTPError(400, "bad Content-Length", "invalid_request_error")
-            )
-        body, more = b"", True
-        while more:  # buffer the body (JSON is parsed whole anyway), enforcing the limit
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > limit:
-                return await self._reply(send, too_large)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    @staticmethod
-    async def _reply(send, exc: HTTPError) -> None:
-        payload = json.dumps(error_body(str(exc), exc.type, exc.param, exc.code)).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": exc.status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
-
-
-# ---- request handling helpers -----------------------------------------------------------------
 async def _json_body(request: Request) -> dict:
     try:
         body = json.loads(await request.body())
@@ -220,112 +128,6 @@ def _encode(state: ServerState, prompt: str | list[int]) -> list[int]:
     if not ids:
         raise HTTPError(400, "prompt is empty", "invalid_request_error", "prompt")
     return ids
-
-
-@dataclass
-class _Tracker:
-    """Per-sample timing for the latency histograms."""
-
-    start: float = field(default_factory=time.monotonic)
-    last_token: float | None = None
-
-
-class Submission:
-    """The samples of one HTTP request in the engine, sharing one output queue."""
-
-    def __init__(
-        self,
-        state: ServerState,
-        rid: str,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        priority: int,
-    ):
-        self.state = state
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.index: dict[str, int] = {}
-        self.trackers: dict[str, _Tracker] = {}
-        self.remaining: set[str] = set()
-        timeout = state.config.request_timeout
-        try:
-            for k, ids in enumerate(prompts):
-                for sid, _ in state.client.submit(
-                    f"{rid}-p{k}", ids, params, priority, timeout, queue=self.queue
-                ):
-                    self.index[sid] = len(self.index)
-                    self.trackers[sid] = _Tracker()
-                    self.remaining.add(sid)
-                state.metrics.prompt_tokens.inc(len(ids))
-        except EngineDied:
-            self.abort()
-            raise HTTPError(503, "engine is not running", "service_unavailable") from None
-
-    async def next(self) -> RequestOutput:
-        out = await self.queue.get()
-        self._observe(out)
-        return out
-
-    def _observe(self, out: RequestOutput) -> None:
-        m, tracker = self.state.metrics, self.trackers.get(out.request_id)
-        if tracker is None:
-            return
-        now = time.monotonic()
-        if out.new_token_ids:
-            m.generation_tokens.inc(len(out.new_token_ids))
-            if tracker.last_token is None:
-                m.ttft.observe(now - tracker.start)
-                if out.queue_time_s is not None:
-                    m.queue.observe(out.queue_time_s)
-            else:
-                m.itl.observe((now - tracker.last_token) / len(out.new_token_ids))
-            tracker.last_token = now
-        if out.finished:
-            self.remaining.discard(out.request_id)
-            m.e2e.observe(now - tracker.start)
-            if out.finish_reason == "abort":
-                m.aborted.inc()
-            else:
-                m.success.labels(finished_reason=out.finish_reason).inc()
-
-    def abort(self) -> None:
-        """Abort every unfinished sample (client gone); counted here, since nobody will read
-        their final outputs."""
-        for sid in list(self.remaining):
-            self.state.client.abort(sid)
-            self.state.metrics.aborted.inc()
-            self.state.metrics.e2e.observe(time.monotonic() - self.trackers.pop(sid).start)
-        self.remaining.clear()
-
-    async def collect(self, request: Request) -> dict[str, RequestOutput]:
-        """Wait for every sample to finish; abort them all if the client goes away."""
-        finals: dict[str, RequestOutput] = {}
-
-        async def gather():
-            while self.remaining:
-                out = await self.next()
-                if out.finished:
-                    finals[out.request_id] = out
-
-        task = asyncio.ensure_future(gather())
-        try:
-            while not task.done():
-                await asyncio.wait([task], timeout=0.5)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    self.abort()
-                    raise HTTPError(499, "client disconnected", "invalid_request_error")
-        finally:
-            if not task.done():
-                task.cancel()
-        errors = [o.error for o in finals.values() if o.error]
-        if errors:
-            status = 504 if errors[0] == "request timed out" else 503
-            raise HTTPError(status, errors[0], "timeout" if status == 504 else "server_error")
-        return finals
-
-
-def _sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -422,8 +224,8 @@ def build_app(state: ServerState) -> FastAPI:
         sub = Submission(state, rid, [ids for _, ids in prompts], params, _priority(body))
         echo = _flag(body, "echo")
         if stream:
-            return _streaming(
-                _stream_completion(state, sub, rid, prompts, params, echo, _include_usage(body)),
+            return streaming_response(
+                stream_completion(state, sub, rid, prompts, params, echo, _include_usage(body)),
                 sub,
             )
         finals = await sub.collect(request)
@@ -444,7 +246,9 @@ def build_app(state: ServerState) -> FastAPI:
         rid = protocol.new_id("chatcmpl")
         sub = Submission(state, rid, [ids], params, _priority(body))
         if stream:
-            return _streaming(_stream_chat(state, sub, rid, len(ids), _include_usage(body)), sub)
+            return streaming_response(
+                stream_chat(state, sub, rid, len(ids), _include_usage(body)), sub
+            )
         finals = await sub.collect(request)
         outs = _group(finals, sub, 1, params.n)[0]
         return protocol.chat_response(state.model_name, state.tokenizer, len(ids), outs, rid)
@@ -481,7 +285,7 @@ def build_app(state: ServerState) -> FastAPI:
         rid = protocol.new_id("gen")
         sub = Submission(state, rid, encoded, params, _priority(body))
         if _flag(body, "stream"):
-            return _streaming(_stream_native(sub, encoded), sub)
+            return streaming_response(stream_native(sub, encoded), sub)
         finals = await sub.collect(request)
         results = [
             _native(out, len(encoded[i // params.n]))
@@ -527,186 +331,13 @@ def _group(finals: dict[str, RequestOutput], sub: Submission, num_prompts: int, 
     return [ordered[k * n : (k + 1) * n] for k in range(num_prompts)]
 
 
-def _streaming(gen: AsyncIterator[str], sub: Submission) -> StreamingResponse:
-    async def guarded():
-        try:
-            async for chunk in gen:
-                yield chunk
-        finally:  # client gone or stream done: nothing may keep running in the engine
-            sub.abort()
-
-    return StreamingResponse(
-        guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
-
-
-def _stream_error(out: RequestOutput) -> str:
-    return _sse(error_body(out.error or "request failed", "server_error"))
-
-
-async def _stream_completion(state, sub, rid, prompts, params, echo, include_usage):
-    created, usage_out = int(time.time()), 0
-    base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
-    if echo:
-        for idx in sub.index.values():
-            prompt, ids = prompts[idx // params.n]
-            text = prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)
-            yield _sse(
-                {
-                    **base,
-                    "choices": [
-                        {"index": idx, "text": text, "logprobs": None, "finish_reason": None}
-                    ],
-                }
-            )
-    while sub.remaining:
-        out = await sub.next()
-        if out.error:
-            yield _stream_error(out)
-            break
-        usage_out += len(out.new_token_ids)
-        if not (out.delta_text or out.finished):
-            continue
-        lp = None
-        if out.new_logprobs:
-            lp = {
-                "tokens": [
-                    state.tokenizer.decode([t], skip_special_tokens=False)
-                    for t in out.new_token_ids
-                ],
-                "token_logprobs": [x for x, _ in out.new_logprobs],
-                "top_logprobs": [
-                    {state.tokenizer.decode([i], skip_special_tokens=False): v for i, v in alts}
-                    for _, alts in out.new_logprobs
-                ],
-            }
-        choice = {
-            "index": sub.index[out.request_id],
-            "text": out.delta_text,
-            "logprobs": lp,
-            "finish_reason": _reason(out),
-        }
-        yield _sse({**base, "choices": [choice]})
-    if include_usage:
-        prompt_tokens = sum(len(ids) for _, ids in prompts)
-        yield _sse(
-            {
-                **base,
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": usage_out,
-                    "total_tokens": prompt_tokens + usage_out,
-                },
-            }
-        )
-    yield _sse("[DONE]")
-
-
-async def _stream_chat(state, sub, rid, prompt_len, include_usage):
-    created, usage_out = int(time.time()), 0
-    base = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": state.model_name,
-    }
-    for idx in sub.index.values():
-        yield _sse(
-            {
-                **base,
-                "choices": [
-                    {
-                        "index": idx,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            }
-        )
-    while sub.remaining:
-        out = await sub.next()
-        if out.error:
-            yield _stream_error(out)
-            break
-        usage_out += len(out.new_token_ids)
-        if not (out.delta_text or out.finished):
-            continue
-        lp = None
-        if out.new_logprobs:
-            lp = protocol.chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs)
-        delta = {"content": out.delta_text} if out.delta_text else {}
-        yield _sse(
-            {
-                **base,
-                "choices": [
-                    {
-                        "index": sub.index[out.request_id],
-                        "delta": delta,
-                        "logprobs": lp,
-                        "finish_reason": _reason(out),
-                    }
-                ],
-            }
-        )
-    if include_usage:
-        yield _sse(
-            {
-                **base,
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": prompt_len,
-                    "completion_tokens": usage_out,
-                    "total_tokens": prompt_len + usage_out,
-                },
-            }
-        )
-    yield _sse("[DONE]")
-
-
-async def _stream_native(sub, encoded):
-    texts: dict[str, str] = {}
-    while sub.remaining:
-        out = await sub.next()
-        if out.error:
-            yield _stream_error(out)
-            break
-        texts[out.request_id] = texts.get(out.request_id, "") + out.delta_text
-        yield _sse(
-            {
-                "index": sub.index[out.request_id],
-                "text": texts[out.request_id],
-                "meta_info": {
-                    "id": out.request_id,
-                    "finish_reason": _native_reason(out),
-                    "completion_tokens": None,
-                },
-            }
-        )
-    yield _sse("[DONE]")
-
-
-def _reason(out: RequestOutput) -> str | None:
-    if not out.finished:
-        return None
-    return "length" if out.finish_reason == "length" else "stop"
-
-
-def _native_reason(out: RequestOutput):
-    if not out.finished:
-        return None
-    matched = out.stop_reason
-    return {"type": "length" if out.finish_reason == "length" else "stop", "matched": matched}
-
-
 def _native(out: RequestOutput, prompt_len: int) -> dict:
     return {
         "text": out.text,
         "output_ids": out.output_token_ids,
         "meta_info": {
             "id": out.request_id,
-            "finish_reason": _native_reason(out),
+            "finish_reason": native_finish_reason(out),
             "prompt_tokens": prompt_len,
             "completion_tokens": len(out.output_token_ids),
             "cached_tokens": out.num_cached_tokens,

@@ -1,0 +1,195 @@
+"""Server-sent-event streams: OpenAI completion and chat chunks, and SGLang's native stream.
+
+Every stream ends with `data: [DONE]`; an engine error becomes an error event. Whatever ends
+the stream (done, error, client gone), its unfinished samples are aborted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from mci.core.outputs import RequestOutput
+from mci.server import protocol
+from mci.server.errors import error_body
+from mci.server.submission import Submission
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def streaming_response(gen: AsyncIterator[str], sub: Submission) -> StreamingResponse:
+    async def guarded():
+        try:
+            async for chunk in gen:
+                yield chunk
+        finally:  # client gone or stream done: nothing may keep running in the engine
+            sub.abort()
+
+    return StreamingResponse(
+        guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+def stream_error(out: RequestOutput) -> str:
+    return sse(error_body(out.error or "request failed", "server_error"))
+
+
+async def stream_completion(state, sub, rid, prompts, params, echo, include_usage):
+    created, usage_out = int(time.time()), 0
+    base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+    if echo:
+        for idx in sub.index.values():
+            prompt, ids = prompts[idx // params.n]
+            text = prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)
+            yield sse(
+                {
+                    **base,
+                    "choices": [
+                        {"index": idx, "text": text, "logprobs": None, "finish_reason": None}
+                    ],
+                }
+            )
+    while sub.remaining:
+        out = await sub.next()
+        if out.error:
+            yield stream_error(out)
+            break
+        usage_out += len(out.new_token_ids)
+        if not (out.delta_text or out.finished):
+            continue
+        lp = None
+        if out.new_logprobs:
+            lp = {
+                "tokens": [
+                    state.tokenizer.decode([t], skip_special_tokens=False)
+                    for t in out.new_token_ids
+                ],
+                "token_logprobs": [x for x, _ in out.new_logprobs],
+                "top_logprobs": [
+                    {state.tokenizer.decode([i], skip_special_tokens=False): v for i, v in alts}
+                    for _, alts in out.new_logprobs
+                ],
+            }
+        choice = {
+            "index": sub.index[out.request_id],
+            "text": out.delta_text,
+            "logprobs": lp,
+            "finish_reason": finish_reason(out),
+        }
+        yield sse({**base, "choices": [choice]})
+    if include_usage:
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        yield sse(
+            {
+                **base,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": usage_out,
+                    "total_tokens": prompt_tokens + usage_out,
+                },
+            }
+        )
+    yield sse("[DONE]")
+
+
+async def stream_chat(state, sub, rid, prompt_len, include_usage):
+    created, usage_out = int(time.time()), 0
+    base = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": state.model_name,
+    }
+    for idx in sub.index.values():
+        yield sse(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": idx,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+        )
+    while sub.remaining:
+        out = await sub.next()
+        if out.error:
+            yield stream_error(out)
+            break
+        usage_out += len(out.new_token_ids)
+        if not (out.delta_text or out.finished):
+            continue
+        lp = None
+        if out.new_logprobs:
+            lp = protocol.chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs)
+        delta = {"content": out.delta_text} if out.delta_text else {}
+        yield sse(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": sub.index[out.request_id],
+                        "delta": delta,
+                        "logprobs": lp,
+                        "finish_reason": finish_reason(out),
+                    }
+                ],
+            }
+        )
+    if include_usage:
+        yield sse(
+            {
+                **base,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": prompt_len,
+                    "completion_tokens": usage_out,
+                    "total_tokens": prompt_len + usage_out,
+                },
+            }
+        )
+    yield sse("[DONE]")
+
+
+async def stream_native(sub, encoded):
+    texts: dict[str, str] = {}
+    while sub.remaining:
+        out = await sub.next()
+        if out.error:
+            yield stream_error(out)
+            break
+        texts[out.request_id] = texts.get(out.request_id, "") + out.delta_text
+        yield sse(
+            {
+                "index": sub.index[out.request_id],
+                "text": texts[out.request_id],
+                "meta_info": {
+                    "id": out.request_id,
+                    "finish_reason": native_finish_reason(out),
+                    "completion_tokens": None,
+                },
+            }
+        )
+    yield sse("[DONE]")
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    if not out.finished:
+        return None
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+def native_finish_reason(out: RequestOutput):
+    if not out.finished:
+        return None
+    matched = out.stop_reason
+    return {"type": "length" if out.finish_reason == "length" else "stop", "matched": matched}

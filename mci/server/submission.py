@@ -1,0 +1,120 @@
+"""The samples of one HTTP request inside the engine, and their latency metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from mci.core.outputs import RequestOutput
+from mci.core.sampling_params import SamplingParams
+from mci.server.engine_client import EngineDied
+from mci.server.errors import HTTPError
+
+if TYPE_CHECKING:
+    from mci.server.app import ServerState
+
+
+@dataclass
+class _Tracker:
+    """Per-sample timing for the latency histograms."""
+
+    start: float = field(default_factory=time.monotonic)
+    last_token: float | None = None
+
+
+class Submission:
+    """The samples of one HTTP request in the engine, sharing one output queue."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        rid: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        priority: int,
+    ):
+        self.state = state
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.index: dict[str, int] = {}
+        self.trackers: dict[str, _Tracker] = {}
+        self.remaining: set[str] = set()
+        timeout = state.config.request_timeout
+        try:
+            for k, ids in enumerate(prompts):
+                for sid, _ in state.client.submit(
+                    f"{rid}-p{k}", ids, params, priority, timeout, queue=self.queue
+                ):
+                    self.index[sid] = len(self.index)
+                    self.trackers[sid] = _Tracker()
+                    self.remaining.add(sid)
+                state.metrics.prompt_tokens.inc(len(ids))
+        except EngineDied:
+            self.abort()
+            raise HTTPError(503, "engine is not running", "service_unavailable") from None
+
+    async def next(self) -> RequestOutput:
+        out = await self.queue.get()
+        self._observe(out)
+        return out
+
+    def _observe(self, out: RequestOutput) -> None:
+        m, tracker = self.state.metrics, self.trackers.get(out.request_id)
+        if tracker is None:
+            return
+        now = time.monotonic()
+        if out.new_token_ids:
+            m.generation_tokens.inc(len(out.new_token_ids))
+            if tracker.last_token is None:
+                m.ttft.observe(now - tracker.start)
+                if out.queue_time_s is not None:
+                    m.queue.observe(out.queue_time_s)
+            else:
+                m.itl.observe((now - tracker.last_token) / len(out.new_token_ids))
+            tracker.last_token = now
+        if out.finished:
+            self.remaining.discard(out.request_id)
+            m.e2e.observe(now - tracker.start)
+            if out.finish_reason == "abort":
+                m.aborted.inc()
+            else:
+                m.success.labels(finished_reason=out.finish_reason).inc()
+
+    def abort(self) -> None:
+        """Abort every unfinished sample (client gone); counted here, since nobody will read
+        their final outputs."""
+        for sid in list(self.remaining):
+            self.state.client.abort(sid)
+            self.state.metrics.aborted.inc()
+            self.state.metrics.e2e.observe(time.monotonic() - self.trackers.pop(sid).start)
+        self.remaining.clear()
+
+    async def collect(self, request: Request) -> dict[str, RequestOutput]:
+        """Wait for every sample to finish; abort them all if the client goes away."""
+        finals: dict[str, RequestOutput] = {}
+
+        async def gather():
+            while self.remaining:
+                out = await self.next()
+                if out.finished:
+                    finals[out.request_id] = out
+
+        task = asyncio.ensure_future(gather())
+        try:
+            while not task.done():
+                await asyncio.wait([task], timeout=0.5)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    self.abort()
+                    raise HTTPError(499, "client disconnected", "invalid_request_error")
+        finally:
+            if not task.done():
+                task.cancel()
+        errors = [o.error for o in finals.values() if o.error]
+        if errors:
+            status = 504 if errors[0] == "request timed out" else 503
+            raise HTTPError(status, errors[0], "timeout" if status == 504 else "server_error")
+        return finals
