@@ -111,3 +111,18 @@ def test_logprobs_are_of_the_raw_distribution():
 def test_invalid_params_are_user_errors(bad):
     with pytest.raises(UserError):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"seed": 2**64},
+        {"seed": -1},
+        {"n": 10_000},
+        {"stop_token_ids": ["x"]},
+        {"stop_token_ids": [-3]},
+    ],
+)
+def test_values_the_engine_cannot_take_are_rejected_up_front(bad):
+    with pytest.raises(UserError):
+        SamplingParams(**bad)

@@ -218,3 +218,17 @@ def test_api_key(checkpoint):
             >= 1
         )
         assert httpx.get(s.url + "/health").status_code == 200  # probes need no key
+
+
+def test_request_timeout_is_504_and_frees_kv(checkpoint):
+    with LiveServer(checkpoint(), "--request-timeout", "0.3", "--max-total-tokens", "4096") as s:
+        r = httpx.post(
+            s.url + "/v1/completions",
+            timeout=30,
+            json={"prompt": "x", "max_tokens": 1500, "ignore_eos": True},
+        )
+        assert r.status_code == 504 and r.json()["error"]["message"] == "request timed out"
+        huge_seed = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "seed": 2**70})
+        assert huge_seed.status_code == 400 and huge_seed.json()["error"]["param"] == "seed"
+        state = s.wait_idle()
+        assert state["kv_cache_usage"] == 0 and state["integrity_ok"]

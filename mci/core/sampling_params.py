@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from mci.errors import UserError
 
+MAX_N = 128  # samples per prompt; more is a mistake, not a workload
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -49,7 +51,15 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (self.min_new_tokens >= 0, "min_new_tokens must be >= 0"),
-            (self.n >= 1, "n must be at least 1"),
+            (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2^63)"),
+            (
+                all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                    for t in self.stop_token_ids
+                ),
+                "stop_token_ids must be non-negative integers",
+            ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
         ]

@@ -62,7 +62,9 @@ def engine_main(config: EngineConfig, conn) -> None:
                     _, rid, ids, params, priority, timeout_s = msg
                     try:
                         engine.submit_ids(ids, params, outbox.append, rid, priority, timeout_s)
-                    except UserError as exc:
+                    except Exception as exc:  # noqa: BLE001 - a bad request never kills us
+                        if not isinstance(exc, UserError):
+                            log.exception("rejecting request %s", rid)
                         conn.send(("rejected", rid, str(exc)))
                 elif kind == "abort":
                     engine.abort(msg[1])
