@@ -161,11 +161,9 @@ class Engine:
         if any(t < 0 or t >= vocab for t in ids):
             raise UserError(f"prompt token ids must be in [0, {vocab})")
         limit = self.model.cfg.max_position_embeddings
-        return ids if len(ids) < limit else self._too_long(len(ids), limit)
-
-    @staticmethod
-    def _too_long(n: int, limit: int):
-        raise UserError(f"prompt has {n} tokens; the context length is {limit}")
+        if len(ids) >= limit:
+            raise UserError(f"prompt has {len(ids)} tokens; the context length is {limit}")
+        return ids
 
     def add_request(
         self,

@@ -148,7 +148,8 @@ class MultiHeadLatentAttention(nn.Module):
         qk_dim = self.nope + self.rope_dim
         if self.v_dim < qk_dim:
             v = F.pad(v, (0, qk_dim - self.v_dim))
-        causal = meta.batch_size == 1 and meta.max_query_len == length  # fresh prompt: no mask
+        # Every sequence a fresh prompt of the same length: plain causal, no mask needed.
+        causal = meta.max_query_len == length and meta.sum_query_len == meta.batch_size * length
         mask = None if causal or meta.mask is None else meta.mask[:, None]  # [B, 1, Q, L]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),

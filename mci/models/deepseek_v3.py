@@ -86,6 +86,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         attention_path: str = "auto",
     ) -> torch.Tensor:
         """input_ids: [T] -> final-norm hidden states [T, hidden]; writes T latents per layer."""
+        return self.hidden_states(input_ids, meta, kv_cache, attention_path)
+
+    def hidden_states(self, input_ids, meta, kv_cache, attention_path: str = "auto"):
+        """`forward` without inference mode, so autograd can follow it (training)."""
         absorbed = self.resolve_path(meta, attention_path)
         rope = self.rope_for(meta)
         x = self.model.embed_tokens(input_ids)

@@ -109,7 +109,7 @@ def checkpoint_to_param(name: str, cfg: ModelConfig) -> ParamTarget:
     return ParamTarget(module, attr, expert)
 
 
-def _destination(modules: dict[str, torch.nn.Module], target: ParamTarget) -> torch.Tensor:
+def destination(modules: dict[str, torch.nn.Module], target: ParamTarget) -> torch.Tensor:
     """The parameter view a checkpoint tensor is copied into."""
     module = modules[target.module]
     dst = getattr(module, target.attr)
@@ -166,6 +166,6 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> De
     for file, names in sorted(by_file.items()):
         with safe_open(file, framework="pt") as f:
             for name in names:
-                _destination(modules, checkpoint_to_param(name, cfg)).copy_(f.get_tensor(name))
+                destination(modules, checkpoint_to_param(name, cfg)).copy_(f.get_tensor(name))
     model.eval()
     return model.to(device)

@@ -35,12 +35,23 @@ def streaming_response(gen: AsyncIterator[str], sub: Submission) -> StreamingRes
     )
 
 
+async def _reportable(sub: Submission, usage: list[int]) -> AsyncIterator[RequestOutput]:
+    """Outputs worth a chunk (new text, the end, or an error); counts tokens into usage[0]."""
+    while sub.remaining:
+        out = await sub.next()
+        usage[0] += len(out.new_token_ids)
+        if out.error or out.delta_text or out.finished:
+            yield out
+            if out.error:
+                return
+
+
 def stream_error(out: RequestOutput) -> str:
     return sse(error_body(out.error or "request failed", "server_error"))
 
 
 async def stream_completion(state, sub, rid, prompts, params, echo, include_usage):
-    created, usage_out = int(time.time()), 0
+    created, usage = int(time.time()), [0]
     base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     if echo:
         for idx in sub.index.values():
@@ -54,14 +65,10 @@ async def stream_completion(state, sub, rid, prompts, params, echo, include_usag
                     ],
                 }
             )
-    while sub.remaining:
-        out = await sub.next()
+    async for out in _reportable(sub, usage):
         if out.error:
             yield stream_error(out)
             break
-        usage_out += len(out.new_token_ids)
-        if not (out.delta_text or out.finished):
-            continue
         lp = None
         if out.new_logprobs:
             lp = {
@@ -90,8 +97,8 @@ async def stream_completion(state, sub, rid, prompts, params, echo, include_usag
                 "choices": [],
                 "usage": {
                     "prompt_tokens": prompt_tokens,
-                    "completion_tokens": usage_out,
-                    "total_tokens": prompt_tokens + usage_out,
+                    "completion_tokens": usage[0],
+                    "total_tokens": prompt_tokens + usage[0],
                 },
             }
         )
@@ -99,7 +106,7 @@ async def stream_completion(state, sub, rid, prompts, params, echo, include_usag
 
 
 async def stream_chat(state, sub, rid, prompt_len, include_usage):
-    created, usage_out = int(time.time()), 0
+    created, usage = int(time.time()), [0]
     base = {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -120,14 +127,10 @@ async def stream_chat(state, sub, rid, prompt_len, include_usage):
                 ],
             }
         )
-    while sub.remaining:
-        out = await sub.next()
+    async for out in _reportable(sub, usage):
         if out.error:
             yield stream_error(out)
             break
-        usage_out += len(out.new_token_ids)
-        if not (out.delta_text or out.finished):
-            continue
         lp = None
         if out.new_logprobs:
             lp = protocol.chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs)
@@ -152,8 +155,8 @@ async def stream_chat(state, sub, rid, prompt_len, include_usage):
                 "choices": [],
                 "usage": {
                     "prompt_tokens": prompt_len,
-                    "completion_tokens": usage_out,
-                    "total_tokens": prompt_len + usage_out,
+                    "completion_tokens": usage[0],
+                    "total_tokens": prompt_len + usage[0],
                 },
             }
         )

@@ -123,34 +123,50 @@ def make_checkpoint(
     bias_std: float = 0.05,
     tokenizer_corpus_bytes: int = 2_000_000,
 ) -> Path:
-    """Write config.json, safetensors (sharded when `shard_max_bytes` is set) and a tokenizer."""
+    """Write a seeded random checkpoint with a tokenizer trained on the stdlib."""
+    tok = train_bpe(cfg.vocab_size, stdlib_corpus(tokenizer_corpus_bytes))
+    weights = random_weights(cfg, seed, bias_std)
+    return write_checkpoint(
+        out_dir, cfg, weights, tok, dtype, fp8, include_mtp, shard_max_bytes, config_dialect
+    )
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    tokenizer,
+    dtype: str = "bfloat16",
+    fp8: bool = False,
+    include_mtp: bool = True,
+    shard_max_bytes: int | None = None,
+    config_dialect: str = "4",
+) -> Path:
+    """Write `weights` (full precision, named as in the unquantised layout) in the real
+    on-disk format: config.json, safetensors (sharded when `shard_max_bytes` is set), tokenizer.
+    With `fp8`, the projections are block-quantised from their bf16-rounded values."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
-        dtype
-    ]
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     cfg = dataclasses.replace(cfg, torch_dtype=dtype, fp8=Fp8Config() if fp8 else None)
-    weights = random_weights(cfg, seed, bias_std)
     tensors: dict[str, torch.Tensor] = {}
     for spec in checkpoint_layout(cfg, include_mtp=include_mtp):
         if spec.name.endswith(".weight_scale_inv"):
             continue  # written with its weight
         w = weights[spec.name]
         if spec.dtype == "F8_E4M3":
-            # Quantise the bf16-rounded values: the FP8 export of a bf16 checkpoint.
             q, scale_inv = quantize_fp8_blocks(w.to(torch.bfloat16).float(), cfg.fp8.block_size)
             tensors[spec.name] = q
             tensors[spec.name.replace(".weight", ".weight_scale_inv")] = scale_inv
         elif spec.dtype == "F32":
             tensors[spec.name] = w.float().contiguous()
         else:
-            tensors[spec.name] = w.to(torch_dtype).contiguous()
+            tensors[spec.name] = w.to(dtypes[dtype]).contiguous()
     _save_shards(out, tensors, shard_max_bytes)
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(config_dialect), indent=2))
     gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids[0]}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
-    tok = train_bpe(cfg.vocab_size, stdlib_corpus(tokenizer_corpus_bytes))
-    write_tokenizer(out, tok, cfg.max_position_embeddings)
+    write_tokenizer(out, tokenizer, cfg.max_position_embeddings)
     return out
 
 
