@@ -4,7 +4,7 @@
 
 Measures, on HELD_OUT (never trained on):
 * bits per byte of the model (exact byte count of the files; every token after BOS scored,
-  in 512-token chunks that see up to 256 tokens of preceding context) vs `xz -9` and
+  in 128-token chunks that see 128 tokens of preceding context: 256, the training length) vs
   `zstd -19` on the same bytes (one concatenated stream each, their best case)
 * MTP agreement: at each position t the MTP module (given h_t and the true token t+1)
   predicts t+2; how often its top-1 equals the main model's greedy token at t+2 (the model's
@@ -30,11 +30,13 @@ from mci.models.loader import load_model
 from mci.tokenizer import TextTokenizer
 from mci.tools.corpus import HELD_OUT, corpus_files
 
-CHUNK, CONTEXT = 512, 256
+CHUNK, CONTEXT = 128, 128  # windows of <= 256 tokens: the length the model was trained on
+# Headers end before the newline: byte-level BPE merges "\n" with the next line's indentation,
+# so a prompt ending in a bare "\n" token tells the model an unindented line comes next.
 SAMPLE_PROMPTS = (
-    "def fibonacci(n):\n",
-    "class Stack:\n    def __init__(self):\n",
-    "import os\n\n\ndef list_python_files(path):\n",
+    "def fibonacci(n):",
+    "class Stack:\n    def __init__(self):",
+    "import os\n\n\ndef list_python_files(path):",
 )
 
 
@@ -199,7 +201,16 @@ def model_card(r: dict, cfg) -> str:
         f"{r['fp8_vs_bf16']['logits_relative_l2']:.3f}, top-1 agreement "
         f"{r['fp8_vs_bf16']['top1_agreement']:.1%}.",
         "",
-        "## Samples (greedy)",
+        "## Limits",
+        "- Trained on 256-token windows: quality falls off for positions beyond about 256 "
+        "(the config allows 2048). Held-out scoring therefore uses windows of at most 256 "
+        "tokens; with 768-token windows the same model scores 2.12 bits per byte.",
+        "- End a code prompt before its final newline (`def f(x):`, not `def f(x):` plus a "
+        "newline): the BPE merges a newline with the next line's indentation, so a bare "
+        "newline token tells the model an unindented line comes next.",
+        "- A 42-minute model: it writes plausible stdlib-style Python, not correct programs.",
+        "",
+        "## Samples (greedy, 48 tokens)",
     ]
     for s in r["samples"]:
         lines += ["```python", s["prompt"] + s["completion"], "```"]
