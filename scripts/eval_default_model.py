@@ -181,8 +181,9 @@ def model_card(r: dict, cfg) -> str:
         f"loss {t['final_loss']:.3f} nats/token (MTP {t['final_mtp_loss']:.3f}); the loss log "
         "is `mci/assets/default-model/train_log.csv`",
         "- reproduce: `make default-model` (`python scripts/train_default_model.py --minutes "
-        "42`, then `python scripts/eval_default_model.py`); fixed seeds, resumable with "
-        "`--resume`",
+        "42`, then `python scripts/eval_default_model.py`); seeds are fixed and `--resume` "
+        "continues from the saved state. A time budget makes the step count depend on the "
+        "machine's speed; `--steps N` trains exactly N steps for a bit-for-bit rerun",
         "",
         "## Held-out results",
         f"Held-out modules (never trained on): {', '.join(r['held_out_files'])} "

@@ -135,6 +135,12 @@ def main() -> int:
     ap.add_argument("--out-fp8", type=Path, default=Path("mci/assets/default-model-fp8"))
     ap.add_argument("--work-dir", type=Path, default=Path("checkpoints/train-default"))
     ap.add_argument("--minutes", type=float, default=45.0, help="training time budget")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="train exactly this many steps instead (bit-for-bit reproducible)",
+    )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -203,13 +209,17 @@ def main() -> int:
     bar = tqdm(total=int(budget), initial=int(elapsed), unit="s", desc="training")
     last_save = time.monotonic()
     start = time.monotonic() - elapsed
-    while elapsed < budget:
+
+    def progress() -> float:  # 0 -> 1 over the run: drives the schedule and the stop
+        return step / args.steps if args.steps else elapsed / budget
+
+    while progress() < 1:
         t0 = time.monotonic()
         warmup = 100
         lr = (
             args.lr
             * min(1.0, (step + 1) / warmup)
-            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed / budget))))
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress()))))
         )
         for group in opt.param_groups:
             group["lr"] = lr
@@ -244,7 +254,7 @@ def main() -> int:
                 ]
             )
             log_file.flush()
-        if time.monotonic() - last_save > 300 or elapsed >= budget:
+        if time.monotonic() - last_save > 300 or progress() >= 1:
             _save_state(model, opt, state_file, meta_file, step, elapsed)
             last_save = time.monotonic()
     bar.close()
