@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import load_hf, small_checkpoint
 
 from mci.generate import generate
 from mci.models.loader import load_model
-from mci.tools.make_checkpoint import make_checkpoint, preset_config
 
 
 def hf_decode_ms(model, ids: list[int], new_tokens: int) -> float:
@@ -54,15 +54,8 @@ def main() -> int:
     ap.add_argument("--output-json", type=Path)
     args = ap.parse_args()
 
-    path = args.checkpoint_dir / f"{args.size}-{args.dtype}"
-    if not (path / "config.json").exists():
-        make_checkpoint(path, preset_config(args.size), seed=0, dtype=args.dtype)
-    import transformers
-    from transformers import DeepseekV3ForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    dtype = getattr(torch, args.dtype)
-    hf = DeepseekV3ForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    path = small_checkpoint(args.checkpoint_dir, args.dtype, args.size)
+    hf = load_hf(path, args.dtype)
     ours = load_model(path, args.dtype)
     ids = torch.randint(
         10, ours.cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)

@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import load_hf, small_checkpoint
 
 from mci.core.sampling_params import SamplingParams
 from mci.engine import Engine
 from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
 from mci.models.loader import load_model
 from mci.tokenizer import TextTokenizer
-from mci.tools.make_checkpoint import make_checkpoint, preset_config
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int, prefix: list[int] | None = None):
@@ -100,9 +100,7 @@ def main() -> int:
     ap.add_argument("--output-json", type=Path)
     args = ap.parse_args()
 
-    path = args.checkpoint_dir / f"small-{args.dtype}"
-    if not (path / "config.json").exists():
-        make_checkpoint(path, preset_config("small"), seed=0, dtype=args.dtype)
+    path = small_checkpoint(args.checkpoint_dir, args.dtype)
     model = load_model(path, args.dtype)
     tok = TextTokenizer.load(path)
     vocab = model.cfg.vocab_size
@@ -122,12 +120,7 @@ def main() -> int:
         run_engine(eng, prompts[:2], 4)  # warm-up
         ours = run_engine(eng, prompts, args.output_len)
         eng.shutdown()
-        import transformers
-        from transformers import DeepseekV3ForCausalLM
-
-        transformers.logging.set_verbosity_error()
-        hf = DeepseekV3ForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype))
-        hf.eval()
+        hf = load_hf(path, args.dtype)
         run_hf_static(hf, prompts[:2], 4)
         theirs = run_hf_static(hf, prompts, args.output_len)
         del hf

@@ -46,6 +46,16 @@ async def _reportable(sub: Submission, usage: list[int]) -> AsyncIterator[Reques
                 return
 
 
+def _usage_chunk(base: dict, prompt_tokens: int, completion_tokens: int) -> str:
+    """The final chunk of `stream_options.include_usage`: no choices, just usage."""
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    return sse({**base, "choices": [], "usage": usage})
+
+
 def stream_error(out: RequestOutput) -> str:
     return sse(error_body(out.error or "request failed", "server_error"))
 
@@ -90,18 +100,7 @@ async def stream_completion(state, sub, rid, prompts, params, echo, include_usag
         }
         yield sse({**base, "choices": [choice]})
     if include_usage:
-        prompt_tokens = sum(len(ids) for _, ids in prompts)
-        yield sse(
-            {
-                **base,
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": usage[0],
-                    "total_tokens": prompt_tokens + usage[0],
-                },
-            }
-        )
+        yield _usage_chunk(base, sum(len(ids) for _, ids in prompts), usage[0])
     yield sse("[DONE]")
 
 
@@ -149,17 +148,7 @@ async def stream_chat(state, sub, rid, prompt_len, include_usage):
             }
         )
     if include_usage:
-        yield sse(
-            {
-                **base,
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": prompt_len,
-                    "completion_tokens": usage[0],
-                    "total_tokens": prompt_len + usage[0],
-                },
-            }
-        )
+        yield _usage_chunk(base, prompt_len, usage[0])
     yield sse("[DONE]")
 
 
