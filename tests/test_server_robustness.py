@@ -155,7 +155,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(checkpoint):
         def stream(i):
             try:
                 with httpx.stream(
-                    "POST", s.url + "/v1/completions", timeout=60, json=_stream_body(60, f"s{i}")
+                    "POST", s.url + "/v1/completions", timeout=60, json=_stream_body(400, f"s{i}")
                 ) as r:
                     finish = None
                     for line in r.iter_lines():
@@ -171,8 +171,9 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(checkpoint):
         deadline = time.monotonic() + 20
         while s.state()["in_flight"] < 6 and time.monotonic() < deadline:
             time.sleep(0.02)
+        assert s.state()["in_flight"] == 6  # 400-token streams: far from done
         os.kill(s.proc.pid, signal.SIGTERM)
-        time.sleep(0.2)
+        time.sleep(0.1)
         assert httpx.get(s.url + "/health").status_code == 503
         late = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert late.status_code == 503
@@ -193,7 +194,7 @@ def test_dead_engine_fails_requests_and_health(checkpoint):
             r = httpx.post(
                 s.url + "/v1/completions",
                 timeout=60,
-                json={"prompt": "x", "max_tokens": 1500, "ignore_eos": True},
+                json={"prompt": "x", "max_tokens": 2000, "ignore_eos": True},
             )
             outcome["status"], outcome["body"] = r.status_code, r.json()
 
