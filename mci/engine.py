@@ -25,11 +25,12 @@ import torch
 
 from mci.cache.kv_manager import KVCacheManager
 from mci.cache.radix_cache import RadixCache
+from mci.cache.sizing import kv_pool_tokens
 from mci.cache.slot_pool import SlotPool
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
-from mci.engine_config import CacheConfig, EngineConfig
+from mci.engine_config import EngineConfig
 from mci.errors import UserError
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.loader import load_model
@@ -50,33 +51,6 @@ class GenerateResult:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[RequestOutput]
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory on the device (CPU: MemAvailable from /proc/meminfo)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
-
-
-def kv_pool_tokens(cache: CacheConfig, bytes_per_token: int, device, cap: int) -> int:
-    """Pool size in tokens: explicit, or from GiB, or a fraction of free memory (capped)."""
-    if cache.max_total_tokens is not None:
-        if cache.max_total_tokens < 1:
-            raise UserError("--max-total-tokens must be at least 1")
-        return cache.max_total_tokens
-    if cache.kv_cache_gb is not None:
-        if cache.kv_cache_gb <= 0:
-            raise UserError("--kv-cache-gb must be positive")
-        return max(1, int(cache.kv_cache_gb * 2**30) // bytes_per_token)
-    budget = int(available_memory_bytes(device) * cache.mem_fraction_static)
-    return max(1, min(budget // bytes_per_token, cap))
 
 
 def build_scheduler(

@@ -122,3 +122,18 @@ def test_radix_split_and_lru_eviction():
     tree.dec_lock(node)
     assert tree.evict(100) == 3 and tree.total_tokens == 0
     assert pool.num_free == 16
+
+
+def test_pool_sizing_from_tokens_gib_or_free_memory():
+    from mci.cache.sizing import kv_pool_tokens
+    from mci.engine_config import CacheConfig
+    from mci.errors import UserError
+
+    cpu = torch.device("cpu")
+    assert kv_pool_tokens(CacheConfig(max_total_tokens=123), 1000, cpu, cap=10) == 123
+    assert kv_pool_tokens(CacheConfig(kv_cache_gb=1.0), 2**20, cpu, cap=10**9) == 1024
+    from_free = kv_pool_tokens(CacheConfig(mem_fraction_static=0.01), 70_272, cpu, cap=50_000)
+    assert 1 <= from_free <= 50_000
+    for bad in (CacheConfig(max_total_tokens=0), CacheConfig(kv_cache_gb=-1.0)):
+        with pytest.raises(UserError):
+            kv_pool_tokens(bad, 1000, cpu, cap=10)
