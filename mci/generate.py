@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from mci.core.request import Request
+from mci.core.sampling_params import SamplingParams
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
-from mci.sampling import sample_next
+from mci.runner.sampler import sample
 
 
 @dataclass(frozen=True)
@@ -51,15 +53,26 @@ def generate(
     """Generate up to `max_new_tokens` after `prompt_ids`, stopping early at a stop token."""
     if not prompt_ids:
         raise ValueError("prompt must have at least one token")
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1")
+    # The engine's sampler, on a one-request batch: same filters, same seeded draws.
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        ignore_eos=True,
+    )
+    request = Request("generate", list(prompt_ids), params)
+
+    def next_token(logits: torch.Tensor) -> torch.Tensor:
+        token = sample(logits.cpu(), [request], ()).token_ids[0]
+        request.append_token(token)
+        return torch.tensor([token], device=device)
+
     total = len(prompt_ids) + max_new_tokens
     device = model.lm_head.weight.device
     cache = model.allocate_kv_cache(total, device)
     slots = torch.arange(total, device=device)
-    gen = torch.Generator(device=device)
-    if seed is not None:
-        gen.manual_seed(seed)
 
     start = time.perf_counter()
     meta = AttentionMetadata.build(
@@ -67,7 +80,7 @@ def generate(
     )
     ids = torch.tensor(prompt_ids, device=device)
     hidden = model(ids, meta, cache, attention_path)
-    token = sample_next(model.logits(hidden[-1:]), temperature, gen, top_p, top_k)
+    token = next_token(model.logits(hidden[-1:]))
     prefill_s = time.perf_counter() - start
 
     out = [int(token)]
@@ -78,7 +91,7 @@ def generate(
         length += 1
         meta = AttentionMetadata.build([SequenceChunk(slots[:length], 1)], device)
         hidden = model(token, meta, cache, attention_path)
-        token = sample_next(model.logits(hidden), temperature, gen, top_p, top_k)
+        token = next_token(model.logits(hidden))
         out.append(int(token))
         if out[-1] in stop_token_ids:
             finish = "stop"

@@ -171,7 +171,7 @@ def completion_response(
         for out in outs:
             lp = None
             if out.logprobs:
-                lp = _completion_logprobs(tokenizer, out)
+                lp = completion_logprobs(tokenizer, out.output_token_ids, out.logprobs)
             choices.append(
                 {
                     "index": len(choices),
@@ -191,14 +191,15 @@ def completion_response(
     }
 
 
-def _completion_logprobs(tokenizer: TextTokenizer, out: RequestOutput) -> dict:
-    tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in out.output_token_ids]
+def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs: list) -> dict:
+    """Completion-style `logprobs` for the given tokens (a whole choice or a stream chunk)."""
+    tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
     return {
         "tokens": tokens,
-        "token_logprobs": [lp for lp, _ in out.logprobs],
+        "token_logprobs": [lp for lp, _ in logprobs],
         "top_logprobs": [
             {tokenizer.decode([i], skip_special_tokens=False): v for i, v in alts}
-            for _, alts in out.logprobs
+            for _, alts in logprobs
         ],
         "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))],
     }

@@ -81,17 +81,7 @@ async def stream_completion(state, sub, rid, prompts, params, echo, include_usag
             break
         lp = None
         if out.new_logprobs:
-            lp = {
-                "tokens": [
-                    state.tokenizer.decode([t], skip_special_tokens=False)
-                    for t in out.new_token_ids
-                ],
-                "token_logprobs": [x for x, _ in out.new_logprobs],
-                "top_logprobs": [
-                    {state.tokenizer.decode([i], skip_special_tokens=False): v for i, v in alts}
-                    for _, alts in out.new_logprobs
-                ],
-            }
+            lp = protocol.completion_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs)
         choice = {
             "index": sub.index[out.request_id],
             "text": out.delta_text,
