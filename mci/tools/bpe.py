@@ -3,6 +3,9 @@
 Every machine with Python has the standard library's source, so it is the corpus: no download.
 Special tokens follow DeepSeek-V3's spelling and come first, so `<｜begin▁of▁sentence｜>` is id 0
 and `<｜end▁of▁sentence｜>` id 1, matching the checkpoint's `bos_token_id`/`eos_token_id`.
+
+Models trained here see BOS first in every sequence, so the written tokenizer.json says so in its
+post-processor: transformers 5 takes BOS from there alone and ignores `add_bos_token`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -66,13 +69,29 @@ def train_bpe(vocab_size: int, texts: Iterator[str]) -> Tokenizer:
     return tok
 
 
+def bos_post_processor(tok: Tokenizer) -> processors.TemplateProcessing:
+    """BOS before every sequence: the template transformers' `update_post_processor` writes."""
+    return processors.TemplateProcessing(
+        single=f"{BOS}:0 $A:0",
+        pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1",
+        special_tokens=[(BOS, tok.token_to_id(BOS))],
+    )
+
+
 def write_tokenizer(out_dir: Path, tok: Tokenizer, max_length: int) -> None:
-    """Write tokenizer.json and tokenizer_config.json (with the chat template)."""
-    tok.save(str(out_dir / "tokenizer.json"))
+    """Write tokenizer.json (BOS-adding post-processor) and tokenizer_config.json (chat template).
+
+    The caller's tokenizer is left as it was: training encodes with it and places BOS itself.
+    """
+    written = Tokenizer.from_str(tok.to_str())
+    written.post_processor = bos_post_processor(written)
+    written.save(str(out_dir / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
         "eos_token": EOS,
+        # Ignored by transformers 5 (the post-processor decides) but read by older tools; they
+        # must agree with the post-processor above.
         "add_bos_token": True,
         "add_eos_token": False,
         "model_max_length": max_length,
