@@ -20,6 +20,7 @@ from mci.core.outputs import RequestOutput
 from mci.engine import Engine
 from mci.errors import UserError
 from mci.server import protocol
+from mci.server.openai_types import ChatCompletionRequest, CompletionRequest
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 
@@ -29,6 +30,8 @@ class _Job:
     custom_id: str
     url: str = ""
     body: dict = field(default_factory=dict)
+    request: object = None  # the parsed CompletionRequest / ChatCompletionRequest
+    params: object = None  # its SamplingParams
     prompts: list = field(default_factory=list)  # [(prompt, prompt ids)]
     sample_ids: list[list[str]] = field(default_factory=list)
     error: str | None = None
@@ -73,18 +76,21 @@ def run_batch(engine: Engine, input_path: Path, output_path: Path, model_name: s
         if job.error:
             continue
         try:
-            chat = job.url.endswith("chat/completions")
-            params = protocol.sampling_params(job.body, chat=chat)
-            if chat:
-                ids = protocol.chat_prompt_ids(engine.tokenizer, job.body)
-                job.prompts = [(None, ids)]
+            if job.url.endswith("chat/completions"):
+                job.request = protocol.parse(ChatCompletionRequest, job.body)
+                job.params = protocol.chat_params(job.request)
+                job.prompts = [(None, protocol.chat_prompt_ids(engine.tokenizer, job.request))]
             else:
+                job.request = protocol.parse(CompletionRequest, job.body)
+                job.params = protocol.completion_params(job.request)
                 job.prompts = [
-                    (p, engine.encode_prompt(p)) for p in protocol.completion_prompts(job.body)
+                    (p, engine.encode_prompt(p)) for p in protocol.completion_prompts(job.request)
                 ]
+            if job.request.stream:
+                raise UserError("'stream' is not supported in a batch")
             for k, (_, ids) in enumerate(job.prompts):
                 rid = f"batch-{i}-{k}"
-                job.sample_ids.append(engine.submit_ids(ids, params, sink, rid))
+                job.sample_ids.append(engine.submit_ids(ids, job.params, sink, rid))
         except UserError as exc:
             job.error = str(exc)
         wanted += [r for rids in job.sample_ids for r in rids]
@@ -128,7 +134,8 @@ def run_batch(engine: Engine, input_path: Path, output_path: Path, model_name: s
                         engine.tokenizer,
                         job.prompts,
                         outs,
-                        echo=bool(job.body.get("echo")),
+                        job.params,
+                        echo=bool(job.request.echo),
                     )
                 record["response"] = {
                     "status_code": 200,

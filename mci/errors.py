@@ -16,3 +16,11 @@ class CheckpointError(UserError):
 
 class ConfigError(UserError):
     """The model config is missing, malformed or describes an unsupported model."""
+
+
+class InvalidParameter(UserError):
+    """A bad value for one named parameter; `param` names it (OpenAI's error.param)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

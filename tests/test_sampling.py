@@ -102,7 +102,7 @@ def test_logprobs_are_of_the_raw_distribution():
     [
         {"temperature": -1},
         {"top_p": 0},
-        {"max_new_tokens": 0},
+        {"max_new_tokens": -1},  # 0 is valid: score the prompt only
         {"n": 0},
         {"logprobs": 50},
         {"stop": ["", "x"]},

@@ -142,7 +142,7 @@ def test_chat_stream_and_logprobs(client):
         ({"top_p": 2}, "top_p"),
         ({"n": 0}, "n"),
         ({"extra_body": {"top_k": "many"}}, "top_k"),
-        ({"extra_body": {"stop": [1, 2]}}, "stop"),
+        ({"extra_body": {"stop": [1, 2]}}, "stop[0]"),  # the first bad element
     ],
 )
 def test_bad_parameters_are_400_with_param(client, kwargs, param):

@@ -36,6 +36,9 @@ class KVCacheManager:
     @staticmethod
     def _matchable(request: Request) -> list[int]:
         # At least one token must be computed to produce logits, so never match all of them.
+        # A request scoring its prompt needs the logits of every prompt position: no match.
+        if request.scores_prompt:
+            return []
         return request.token_ids[: request.num_tokens - 1]
 
     def match(self, request: Request) -> None:

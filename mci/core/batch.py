@@ -17,7 +17,25 @@ class ScheduledItem:
 
     @property
     def sample(self) -> bool:
-        return self.request.num_computed_tokens + self.num_new == self.request.num_tokens
+        req = self.request
+        return (
+            req.num_computed_tokens + self.num_new == req.num_tokens
+            and req.params.max_new_tokens > 0
+        )
+
+    @property
+    def scored_positions(self) -> range:
+        """Positions of this chunk whose logits score the next prompt token (prompt logprobs).
+
+        Position j scores prompt token j + 1; token k's score is due once the k - 1 before it
+        are recorded, so a chunk recomputed after preemption never scores a token twice.
+        """
+        req = self.request
+        if req.prompt_logprobs is None:
+            return range(0)
+        start = max(req.num_computed_tokens, len(req.prompt_logprobs) - 1)
+        end = min(req.num_computed_tokens + self.num_new, req.num_prompt_tokens - 1)
+        return range(start, max(start, end))
 
 
 @dataclass

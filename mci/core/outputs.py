@@ -21,5 +21,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list = field(default_factory=list)  # at the end, all: (logprob, [(id, lp), ...])
     new_logprobs: list = field(default_factory=list)  # this step's tokens' logprobs
+    # per prompt position (None first), when asked: with the first output that has tokens
+    # and with the final one
+    prompt_logprobs: list | None = None
     queue_time_s: float | None = None  # arrival -> first scheduled
     error: str | None = None  # set when the engine failed the request

@@ -60,6 +60,9 @@ class Request:
     generator: torch.Generator = field(default=None)
     token_counts: torch.Tensor | None = None  # [vocab] output-token counts, for penalties
     logprobs: list = field(default_factory=list)  # per output token: (logprob, [(id, lp), ...])
+    # Per prompt position, when params.prompt_logprobs is set: None for the first token (it has
+    # no context), then (logprob, [(id, lp), ...]). Filled in order as prefill chunks run.
+    prompt_logprobs: list | None = None
     # --- timing ------------------------------------------------------------------------------
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
@@ -71,6 +74,11 @@ class Request:
         self.token_ids: list[int] = list(self.prompt_ids) + list(self.output_ids)
         capacity = len(self.prompt_ids) + self.params.max_new_tokens
         self.slots = torch.empty(capacity, dtype=torch.long)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+        # logit_bias as tensors once, not per step
+        self.bias_ids = torch.tensor([t for t, _ in self.params.logit_bias], dtype=torch.long)
+        self.bias_values = torch.tensor([b for _, b in self.params.logit_bias])
         self.generator = torch.Generator()
         if self.params.seed is not None:
             self.generator.manual_seed(self.params.seed)
@@ -81,6 +89,11 @@ class Request:
         """Record a generated token (it has no latent in the cache yet)."""
         self.output_ids.append(token_id)
         self.token_ids.append(token_id)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt positions still need their logprobs: the prefix cache must not skip them."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mci.errors import UserError
+from mci.errors import InvalidParameter
 
 MAX_N = 128  # samples per prompt; more is a mistake, not a workload
 
@@ -16,6 +16,10 @@ class SamplingParams:
     temperature 0 is greedy. Penalties: `repetition_penalty` (HF/vLLM style, over prompt and
     output tokens; 1 = off), `frequency_penalty` and `presence_penalty` (OpenAI style, over
     output tokens; 0 = off). `seed` makes sampling reproducible whatever else is batched.
+    `logit_bias` adds a bias in [-100, 100] to a token's logit before anything else (OpenAI).
+    `prompt_logprobs` (vLLM's name) scores every prompt token after the first with its
+    logprob and that many top alternatives, computed in the prefill forward; with
+    `max_new_tokens = 0` the request only scores its prompt.
     """
 
     max_new_tokens: int = 16
@@ -33,6 +37,8 @@ class SamplingParams:
     min_new_tokens: int = 0
     n: int = 1
     logprobs: int | None = None  # number of top alternatives to return with each token
+    prompt_logprobs: int | None = None  # the same for each prompt token (None = off)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     skip_special_tokens: bool = True
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -41,31 +47,52 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        checks = [
-            (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (self.min_new_tokens >= 0, "min_new_tokens must be >= 0"),
-            (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]"),
-            (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2^63)"),
+        bias = dict(self.logit_bias) if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(tuple(kv) for kv in dict(bias).items()))
+        checks = [  # (holds, parameter, message)
+            (self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (self.min_new_tokens >= 0, "min_new_tokens", "must be >= 0"),
+            (1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2^63)"),
             (
                 all(
                     isinstance(t, int) and not isinstance(t, bool) and t >= 0
                     for t in self.stop_token_ids
                 ),
-                "stop_token_ids must be non-negative integers",
+                "stop_token_ids",
+                "must be non-negative integers",
             ),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs",
+                "must be in [0, 20]",
+            ),
+            (
+                all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                    for t, _ in self.logit_bias
+                ),
+                "logit_bias",
+                "keys must be non-negative token ids",
+            ),
+            (
+                all(-100 <= b <= 100 for _, b in self.logit_bias),
+                "logit_bias",
+                "values must be in [-100, 100]",
+            ),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise UserError(message)
+                raise InvalidParameter(f"{param} {message}", param)
 
     @property
     def greedy(self) -> bool:

@@ -23,21 +23,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Forward the batch; returns float32 logits [num sampling items, vocab] in item order."""
-        chunks, ids, sample_rows = [], [], []
+        """Forward the batch; returns float32 logits of the rows that need them, item by item:
+
+            [ item 0: scored prompt positions..., sample row? | item 1: ... | ... ]
+
+        (`ScheduledItem.scored_positions`, then the last position when `item.sample`).
+        """
+        chunks, ids, logit_rows = [], [], []
         offset = 0
         for item in batch.items:
             req, n = item.request, item.num_new
             start = req.num_computed_tokens
             chunks.append(SequenceChunk(req.slots[: start + n], n))
             ids.extend(req.token_ids[start : start + n])
+            scored = item.scored_positions
+            logit_rows.extend(range(offset + scored.start - start, offset + scored.stop - start))
             offset += n
             if item.sample:
-                sample_rows.append(offset - 1)
+                logit_rows.append(offset - 1)
         meta = AttentionMetadata.build(chunks, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta, self.kv_cache)
-        if not sample_rows:
+        if not logit_rows:
             return hidden.new_empty(0, self.model.cfg.vocab_size, dtype=torch.float32)
-        rows = torch.tensor(sample_rows, device=self.device)
+        rows = torch.tensor(logit_rows, device=self.device)
         return self.model.logits(hidden.index_select(0, rows)).cpu()

@@ -1,12 +1,13 @@
 """Batched sampling: one call per step for every request that needs a token.
 
-Order of operations per row: penalties (repetition over prompt+output, frequency/presence over
-output), min-token EOS masking, temperature, top-k, min-p, top-p, then a draw. Rows are
-vectorised; the only per-request Python is drawing each request's noise from its own
-generator, which makes seeded sampling independent of whatever else shares the batch
-(exponential-race sampling: argmax(p / E), E ~ Exp(1), picks i with probability p_i).
+Order of operations per row: logit_bias, penalties (repetition over prompt+output,
+frequency/presence over output), min-token EOS masking, temperature, top-k, min-p, top-p,
+then a draw. Rows are vectorised; the only per-request Python is drawing each request's
+noise from its own generator, which makes seeded sampling independent of whatever else
+shares the batch (exponential-race sampling: argmax(p / E), E ~ Exp(1), picks i with
+probability p_i).
 
-Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM
+Logprobs are of the model's raw distribution (before logit_bias, penalties and temperature), as vLLM
 and OpenAI report them.
 """
 
@@ -25,6 +26,25 @@ class SampleResult:
 
     token_ids: list[int]
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def token_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """(logprob of token_ids[i], its `num_top` best alternatives) for each row of `logprobs`
+    [N, vocab] (already log-softmaxed); the one shape for output and prompt logprobs."""
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    if not num_top:
+        return [(lp, []) for lp in chosen]
+    values, ids = logprobs.topk(num_top, dim=-1)
+    alts = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return list(zip(chosen, alts))
+
+
+def _apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+    for i, r in enumerate(reqs):
+        if r.bias_ids.numel():
+            logits[i].index_add_(0, r.bias_ids, r.bias_values.to(logits.dtype))
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
@@ -57,6 +77,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...]) 
     want_lp = [r.params.logprobs is not None for r in reqs]
     raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
     logits = logits.clone()
+    _apply_logit_bias(logits, reqs)
     penalised = [i for i, r in enumerate(reqs) if r.params.has_penalties]
     if penalised:
         _apply_penalties(logits, penalised, reqs)
@@ -95,10 +116,6 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...]) 
     if raw_lp is not None:
         for i, r in enumerate(reqs):
             if want_lp[i]:
-                top = r.params.logprobs
-                alts = []
-                if top:
-                    values, ids = raw_lp[i].topk(top)
-                    alts = list(zip(ids.tolist(), values.tolist()))
-                logprobs[i] = (float(raw_lp[i, token_list[i]]), alts)
+                row = raw_lp[i : i + 1]
+                logprobs[i] = token_logprobs(row, tokens[i : i + 1], r.params.logprobs)[0]
     return SampleResult(token_list, logprobs)

@@ -68,6 +68,11 @@ class OutputProcessor:
             self._finish(req, "length", None)
         return self._output(req, [token])
 
+    def on_prompt_only(self, req: Request) -> RequestOutput:
+        """A request with max_new_tokens = 0 has computed (and scored) its prompt."""
+        self._finish(req, "length", None)
+        return self._output(req, [])
+
     def on_abort(self, req: Request, reason: str = "abort", error: str | None = None):
         req.status = RequestStatus.ABORTED
         req.finish_reason = reason
@@ -105,6 +110,10 @@ class OutputProcessor:
             num_cached_tokens=req.num_cached_prompt_tokens,
             logprobs=list(req.logprobs) if req.is_finished else [],
             new_logprobs=req.logprobs[len(req.logprobs) - len(new_ids) :] if req.logprobs else [],
+            # with the first token (streams echo the prompt then) and with the final output
+            prompt_logprobs=req.prompt_logprobs
+            if req.is_finished or len(req.output_ids) == len(new_ids)
+            else None,
             queue_time_s=None
             if req.first_scheduled_time is None
             else req.first_scheduled_time - req.arrival_time,

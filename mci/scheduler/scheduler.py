@@ -19,13 +19,15 @@ import logging
 import time
 from collections import Counter
 
+import torch
+
 from mci.cache.kv_manager import KVCacheManager
 from mci.core.batch import ScheduledBatch, ScheduledItem
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request, RequestStatus
 from mci.engine_config import SchedulerConfig
 from mci.runner.model_runner import ModelRunner
-from mci.runner.sampler import sample
+from mci.runner.sampler import sample, token_logprobs
 from mci.scheduler.output_processor import OutputProcessor
 
 log = logging.getLogger("mci")
@@ -160,26 +162,46 @@ class Scheduler:
             prefilling.append(req)
 
     def update(self, batch: ScheduledBatch, logits) -> list[RequestOutput]:
-        """Advance token accounting, sample, apply stop rules, release finished requests."""
+        """Advance token accounting, record prompt logprobs, sample, apply stop rules, release
+        finished requests. `logits` rows follow `ModelRunner.execute`'s layout."""
+        scored, sample_rows, row = [], [], 0
+        for item in batch.items:  # before accounting moves: both read live request state
+            positions = item.scored_positions
+            if positions:
+                scored.append((item.request, positions, logits[row : row + len(positions)]))
+            row += len(positions)
+            if item.sample:
+                sample_rows.append(row)
+                row += 1
         sampling = [item for item in batch.items if item.sample]
-        result = sample(logits, [item.request for item in sampling], self.eos_ids)
+        result = sample(logits[sample_rows], [item.request for item in sampling], self.eos_ids)
+        for req, positions, rows in scored:
+            targets = torch.tensor(req.prompt_ids[positions.start + 1 : positions.stop + 1])
+            lp = torch.log_softmax(rows, dim=-1)
+            req.prompt_logprobs += token_logprobs(lp, targets, req.params.prompt_logprobs)
+        outputs = []
         for item in batch.items:
             req = item.request
             prompt_done_before = req.num_computed_tokens >= req.num_prompt_tokens
             req.num_computed_tokens += item.num_new
             if not prompt_done_before and req.num_computed_tokens >= req.num_prompt_tokens:
                 self.kv.cache_prefix(req)  # share the prompt while the request decodes
+                if req.params.max_new_tokens == 0:  # scoring only: done with its prompt
+                    outputs.append(self.outputs.on_prompt_only(req))
+                    self._retire(req)
         self.counters["prompt_tokens"] += sum(i.num_new for i in batch.items if not i.sample)
-        outputs = []
         for item, token, logprob in zip(sampling, result.token_ids, result.logprobs, strict=True):
             req = item.request
             outputs.append(self.outputs.on_token(req, token, logprob))
             self.counters["generation_tokens"] += 1
             if req.is_finished:
-                self.counters[f"finished_{req.finish_reason}"] += 1
-                self.kv.release(req)
-                self.running.remove(req)
+                self._retire(req)
         return outputs
+
+    def _retire(self, req: Request) -> None:
+        self.counters[f"finished_{req.finish_reason}"] += 1
+        self.kv.release(req)
+        self.running.remove(req)
 
     # ---- policy helpers -----------------------------------------------------------------------
     @staticmethod

@@ -9,7 +9,6 @@ disconnects has its samples aborted at once (the engine frees their KV slots in 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,16 +17,28 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from mci import __version__
 from mci.config import ModelConfig
 from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
 from mci.engine_config import ServerConfig
-from mci.errors import UserError
 from mci.server import protocol
 from mci.server.engine_client import EngineClient
-from mci.server.errors import HTTPError, error_response
+from mci.server.errors import HTTPError, install_error_handlers
 from mci.server.guard import GuardMiddleware
 from mci.server.metrics import ServerMetrics
+from mci.server.openai_types import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+)
 from mci.server.streaming import (
     native_finish_reason,
     stream_chat,
@@ -62,18 +73,7 @@ class ServerState:
         return self.config.context_length or self.model_config.max_position_embeddings
 
 
-async def _json_body(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise HTTPError(400, f"malformed JSON body: {exc}", "invalid_request_error") from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, "request body must be a JSON object", "invalid_request_error")
-    return body
-
-
-def _check_model(state: ServerState, body: dict) -> None:
-    model = body.get("model")
+def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise HTTPError(
             400,
@@ -100,6 +100,17 @@ def _admit(state: ServerState, num_samples: int) -> None:
             "rate_limit_error",
             code="rate_limit_exceeded",
             headers={"Retry-After": "1"},
+        )
+
+
+def _check_vocab(state: ServerState, params: SamplingParams) -> None:
+    vocab = state.model_config.vocab_size
+    if any(t >= vocab for t, _ in params.logit_bias):
+        raise HTTPError(
+            400,
+            f"logit_bias token ids must be in [0, {vocab})",
+            "invalid_request_error",
+            "logit_bias",
         )
 
 
@@ -130,37 +141,61 @@ def _encode(state: ServerState, prompt: str | list[int]) -> list[int]:
     return ids
 
 
+_ERRORS = {
+    400: "bad input: the field is named in error.param",
+    401: "missing or wrong API key",
+    413: "request body too large",
+    429: "queue full; retry after Retry-After seconds",
+    503: "draining, or no engine",
+    504: "request timed out",
+}
+
+
+# One server-sent event of a stream: `data` is a JSON chunk (the 200 body's chunk form), an
+# error body, or the final `[DONE]`.
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+
+
+def _responses(ok_model=None, stream: bool = False, errors=(400, 401, 413, 429, 503, 504)):
+    """OpenAPI responses of a route: its body, and OpenAI error bodies for each failure."""
+    out: dict = {code: {"model": ErrorResponse, "description": _ERRORS[code]} for code in errors}
+    if ok_model is not None:
+        out[200] = {"model": ok_model}
+        if stream:
+            out[200]["content"] = {"text/event-stream": {"schema": _SSE_EVENT}}
+    return out
+
+
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI application over a running engine client."""
-    app = FastAPI(title="mci", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="mci",
+        version=__version__,
+        description="OpenAI-compatible API of mci (mission-critical inference)",
+    )
     app.state.mci = state
     app.add_middleware(GuardMiddleware, config=state.config)
+    install_error_handlers(app)
+    _document_400_not_422(app)
 
-    @app.exception_handler(HTTPError)
-    async def _http_error(_, exc: HTTPError):
-        return error_response(exc)
-
-    @app.exception_handler(protocol.InvalidRequest)
-    async def _invalid(_, exc: protocol.InvalidRequest):
-        return error_response(HTTPError(400, str(exc), "invalid_request_error", exc.param))
-
-    @app.exception_handler(UserError)
-    async def _user_error(_, exc: UserError):
-        return error_response(HTTPError(400, str(exc), "invalid_request_error"))
-
-    @app.exception_handler(Exception)
-    async def _internal(_, exc: Exception):
-        log.exception("internal error")
-        return error_response(HTTPError(500, "internal server error", "server_error"))
-
-    @app.get("/health")
+    @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health():
+        """Readiness: the engine is running and the server is not draining."""
         if state.draining or not state.client.alive:
             return JSONResponse({"status": "unavailable"}, 503)
         return {"status": "ok"}
 
-    @app.get("/health_generate")
+    @app.get(
+        "/health_generate",
+        response_model=HealthResponse,
+        responses={503: {"model": HealthResponse}},
+    )
     async def health_generate():
+        """Generates one token through the engine."""
         if state.draining or not state.client.alive:
             return JSONResponse({"status": "unavailable"}, 503)
         params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
@@ -180,11 +215,16 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": out.error}, 503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}},
+    )
     async def metrics():
+        """Prometheus metrics (vLLM's names with an `mci:` prefix)."""
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/internal/state")
+    @app.get("/internal/state", include_in_schema=False)
     async def internal_state():
         """Engine stats and a live KV integrity check (operators and tests)."""
         if not state.client.alive:
@@ -195,35 +235,49 @@ def build_app(state: ServerState) -> FastAPI:
             "engine_pid": state.client.process.pid,
         }
 
-    @app.get("/v1/models")
-    async def models():
+    def model_card() -> dict:
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "mci",
-                    "max_model_len": state.context_length,
-                }
-            ],
+            "id": state.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "mci",
+            "max_model_len": state.context_length,
         }
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await _json_body(request)
-        _check_model(state, body)
-        params = protocol.sampling_params(body, chat=False)
-        stream = _flag(body, "stream")
+    @app.get("/v1/models", response_model=ModelList, responses=_responses(errors=(401,)))
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=ModelCard,
+        responses=_responses(errors=(401,))
+        | {404: {"model": ErrorResponse, "description": "no such model"}},
+    )
+    async def retrieve_model(model_id: str):
+        if model_id != state.model_name:
+            raise HTTPError(
+                404,
+                f"model {model_id!r} does not exist; this server serves {state.model_name!r}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        return model_card()
+
+    @app.post("/v1/completions", responses=_responses(CompletionResponse, stream=True))
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(state, body.model)
+        params = protocol.completion_params(body)
+        _check_vocab(state, params)
         prompts = [(p, _encode(state, p)) for p in protocol.completion_prompts(body)]
         for _, ids in prompts:
             _check_length(state, ids, params)
         _admit(state, len(prompts) * params.n)
         rid = protocol.new_id("cmpl")
-        sub = Submission(state, rid, [ids for _, ids in prompts], params, _priority(body))
-        echo = _flag(body, "echo")
-        if stream:
+        sub = Submission(state, rid, [ids for _, ids in prompts], params, body.priority or 0)
+        echo = bool(body.echo)
+        if body.stream:
             return streaming_response(
                 stream_completion(state, sub, rid, prompts, params, echo, _include_usage(body)),
                 sub,
@@ -231,21 +285,20 @@ def build_app(state: ServerState) -> FastAPI:
         finals = await sub.collect(request)
         results = _group(finals, sub, len(prompts), params.n)
         return protocol.completion_response(
-            state.model_name, state.tokenizer, prompts, results, echo=echo, request_id=rid
+            state.model_name, state.tokenizer, prompts, results, params, echo, rid
         )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await _json_body(request)
-        _check_model(state, body)
-        params = protocol.sampling_params(body, chat=True)
-        stream = _flag(body, "stream")
+    @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse, stream=True))
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_model(state, body.model)
+        params = protocol.chat_params(body)
+        _check_vocab(state, params)
         ids = protocol.chat_prompt_ids(state.tokenizer, body)
         _check_length(state, ids, params)
         _admit(state, params.n)
         rid = protocol.new_id("chatcmpl")
-        sub = Submission(state, rid, [ids], params, _priority(body))
-        if stream:
+        sub = Submission(state, rid, [ids], params, body.priority or 0)
+        if body.stream:
             return streaming_response(
                 stream_chat(state, sub, rid, len(ids), _include_usage(body)), sub
             )
@@ -253,38 +306,25 @@ def build_app(state: ServerState) -> FastAPI:
         outs = _group(finals, sub, 1, params.n)[0]
         return protocol.chat_response(state.model_name, state.tokenizer, len(ids), outs, rid)
 
-    @app.post("/generate")
-    async def generate(request: Request):
+    @app.post(
+        "/generate",
+        responses=_responses(GenerateResponse | list[GenerateResponse], stream=True),
+    )
+    async def generate(body: GenerateRequest, request: Request):
         """SGLang's native API: text or input_ids, sampling_params, stream."""
-        body = await _json_body(request)
-        sp = body.get("sampling_params") or {}
-        if not isinstance(sp, dict):
-            raise HTTPError(
-                400,
-                "'sampling_params' must be an object",
-                "invalid_request_error",
-                "sampling_params",
-            )
-        renamed = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
-        params = protocol.sampling_params({renamed.get(k, k): v for k, v in sp.items()}, chat=False)
-        if (body.get("text") is None) == (body.get("input_ids") is None):
-            raise HTTPError(
-                400, "give exactly one of 'text' or 'input_ids'", "invalid_request_error", "text"
-            )
-        single = isinstance(body.get("text"), str) or (
-            isinstance(body.get("input_ids"), list)
-            and body["input_ids"]
-            and isinstance(body["input_ids"][0], int)
+        params = protocol.native_params(body.sampling_params)
+        _check_vocab(state, params)
+        prompts = protocol.generate_prompts(body)
+        single = isinstance(body.text, str) or (
+            body.input_ids is not None and isinstance(body.input_ids[0], int)
         )
-        raw = body.get("text") if body.get("text") is not None else body.get("input_ids")
-        prompts = protocol.completion_prompts({"prompt": raw})
         encoded = [_encode(state, p) for p in prompts]
         for ids in encoded:
             _check_length(state, ids, params)
         _admit(state, len(prompts) * params.n)
         rid = protocol.new_id("gen")
-        sub = Submission(state, rid, encoded, params, _priority(body))
-        if _flag(body, "stream"):
+        sub = Submission(state, rid, encoded, params, body.priority or 0)
+        if body.stream:
             return streaming_response(stream_native(sub, encoded), sub)
         finals = await sub.collect(request)
         results = [
@@ -299,31 +339,25 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 # ---- small helpers ----------------------------------------------------------------------------
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise HTTPError(400, f"'{name}' must be a boolean", "invalid_request_error", name)
-    return value
+def _document_400_not_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every body; validation errors are 400s here, so drop it."""
+    generate_schema = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate_schema()
+            for item in schema["paths"].values():
+                for operation in item.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
-def _priority(body: dict) -> int:
-    value = body.get("priority", 0)
-    if value is None:
-        return 0
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise HTTPError(400, "'priority' must be an integer", "invalid_request_error", "priority")
-    return value
-
-
-def _include_usage(body: dict) -> bool:
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise HTTPError(
-            400, "'stream_options' must be an object", "invalid_request_error", "stream_options"
-        )
-    return bool(options.get("include_usage"))
+def _include_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
 
 
 def _group(finals: dict[str, RequestOutput], sub: Submission, num_prompts: int, n: int):

@@ -1,8 +1,21 @@
-"""HTTP errors answered with OpenAI's error body: {"error": {message, type, param, code}}."""
+"""HTTP errors answered with OpenAI's error body: {"error": {message, type, param, code}}.
+
+Every failure a route can meet ends here: request validation (400 naming the field, never
+FastAPI's 422), bad values (400), unknown paths and methods (404/405), and bugs (500).
+"""
 
 from __future__ import annotations
 
+import logging
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mci.errors import InvalidParameter, UserError
+
+log = logging.getLogger("mci")
 
 
 class HTTPError(Exception):
@@ -30,3 +43,42 @@ def error_response(exc: HTTPError) -> JSONResponse:
     return JSONResponse(
         error_body(str(exc), exc.type, exc.param, exc.code), exc.status, headers=exc.headers
     )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error of `app` with an OpenAI error body."""
+    # imported here: protocol imports the tokenizer and engine types, errors must stay light
+    from mci.server.protocol import from_validation_errors
+
+    def invalid(exc: InvalidParameter) -> JSONResponse:
+        return error_response(HTTPError(400, str(exc), "invalid_request_error", exc.param))
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(_, exc: HTTPError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, exc: RequestValidationError):
+        return invalid(from_validation_errors(list(exc.errors())))
+
+    @app.exception_handler(InvalidParameter)
+    async def _invalid(_, exc: InvalidParameter):
+        return invalid(exc)
+
+    @app.exception_handler(UserError)
+    async def _user_error(_, exc: UserError):
+        return error_response(HTTPError(400, str(exc), "invalid_request_error"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette(_, exc: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+            exc.status_code, "invalid_request_error"
+        )
+        return error_response(
+            HTTPError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(_, exc: Exception):
+        log.exception("internal error")
+        return error_response(HTTPError(500, "internal server error", "server_error"))

@@ -8,7 +8,8 @@ import json
 from mci.engine_config import ServerConfig
 from mci.server.errors import HTTPError, error_body
 
-OPEN_PATHS = ("/health", "/health_generate", "/metrics")  # probes need no API key
+# probes and the API's own description need no API key
+OPEN_PATHS = ("/health", "/health_generate", "/metrics", "/openapi.json", "/docs", "/redoc")
 
 
 class GuardMiddleware:

@@ -1,153 +1,242 @@
-"""OpenAI API shapes: request bodies -> (prompts, SamplingParams), engine results -> responses.
+"""OpenAI API semantics over the typed requests: request models -> (prompts, SamplingParams),
+engine results -> response bodies. Shared by the HTTP server and `mci run-batch`.
 
-Shared by the HTTP server and `mci run-batch`. Validation is explicit and names the offending
-parameter, so a client's mistake becomes a 400 with `param` set, never a 500.
-Extras accepted like SGLang/vLLM: top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
-stop_token_ids, skip_special_tokens, priority.
+Types and unknown fields are checked by the pydantic models (`openai_types.py`); this module
+adds the rules between fields and the features not built yet, each a 400 naming the field.
+Value ranges are SamplingParams' own checks, reported under the API's name for the field.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+
+from pydantic import BaseModel, ValidationError
 
 from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
-from mci.errors import UserError
+from mci.errors import InvalidParameter
+from mci.server.openai_types import (
+    NOT_YET_SUPPORTED,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    NativeSamplingParams,
+)
 from mci.tokenizer import TextTokenizer
 
-_MISSING = object()
+InvalidRequest = InvalidParameter  # a 400 with `param` (OpenAI's error.param)
 
 
-class InvalidRequest(UserError):
-    """A malformed request body; `param` names the field (OpenAI's error.param)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-def _field(body: dict, name: str, kinds: tuple, default: Any = _MISSING):
-    """body[name] checked against `kinds`; absent or null means `default` (or required)."""
-    value = body.get(name)
-    if value is None:
-        if default is _MISSING:
-            raise InvalidRequest(f"'{name}' is required", name)
-        return default
-    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-        raise InvalidRequest(f"'{name}' must be of type {kinds[0].__name__}", name)
-    return value
+# ---- validation errors ------------------------------------------------------------------------
+def _param_path(loc: tuple) -> str | None:
+    """pydantic's error location -> `messages[0].content` (union-member tags dropped)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part == "body" and not path:
+            continue
+        elif not any(c in part for c in "[]-") and part not in ("str", "int", "float", "bool"):
+            path += f".{part}" if path else part
+    return path or None
 
 
-_NUM = (float, int)
+def from_validation_errors(errors: list[dict]) -> InvalidParameter:
+    """The most specific problem of a failed validation, as one clear 400. For a value that
+    matches no member of a union, the deepest error says most (`stop[0]`: a bad string in a
+    list); equally deep alternatives are listed together."""
+    if not errors:
+        return InvalidParameter("invalid request")
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    param = _param_path(tuple(first.get("loc", ())))
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        name = str(first["loc"][-1])
+        if name in NOT_YET_SUPPORTED:
+            return InvalidParameter(
+                f"'{name}' is not supported yet (structured outputs are not implemented)", param
+            )
+        return InvalidParameter(f"unknown field '{param}'", param)
+    if kind == "json_invalid":
+        return InvalidParameter(f"malformed JSON body: {first.get('msg', '')}")
+    if kind == "missing":
+        return InvalidParameter(f"'{param}' is required", param)
+    if param is None:
+        return InvalidParameter(f"request body: {first.get('msg', 'invalid')}")
+    same = [e for e in errors if _param_path(tuple(e.get("loc", ()))) == param]
+    messages = dict.fromkeys(e.get("msg", "").removeprefix("Value error, ") for e in same)
+    return InvalidParameter(f"'{param}': {'; or '.join(list(messages)[:4])}", param)
 
 
-def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
-    """Map OpenAI/vLLM sampling fields to SamplingParams (400 on any bad value)."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    max_tokens = _field(body, "max_tokens", (int,), None)
-    if chat:
-        max_tokens = _field(body, "max_completion_tokens", (int,), None) or max_tokens
-    stop = _field(body, "stop", (str, list), None)
-    stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not all(isinstance(s, str) for s in stop):
-        raise InvalidRequest("'stop' must be a string or a list of strings", "stop")
-    if chat:
-        want = _field(body, "logprobs", (bool,), False)
-        top = _field(body, "top_logprobs", (int,), None)
-        if top is not None and not want:
-            raise InvalidRequest("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-        logprobs = (top or 0) if want else None
-    else:
-        logprobs = _field(body, "logprobs", (int,), None)
-    kwargs = dict(
-        max_new_tokens=16 if max_tokens is None else max_tokens,
-        temperature=float(_field(body, "temperature", _NUM, 1.0)),
-        top_p=float(_field(body, "top_p", _NUM, 1.0)),
-        top_k=_field(body, "top_k", (int,), 0),
-        min_p=float(_field(body, "min_p", _NUM, 0.0)),
-        repetition_penalty=float(_field(body, "repetition_penalty", _NUM, 1.0)),
-        frequency_penalty=float(_field(body, "frequency_penalty", _NUM, 0.0)),
-        presence_penalty=float(_field(body, "presence_penalty", _NUM, 0.0)),
-        seed=_field(body, "seed", (int,), None),
-        stop=tuple(stop),
-        stop_token_ids=tuple(_field(body, "stop_token_ids", (list,), None) or ()),
-        ignore_eos=_field(body, "ignore_eos", (bool,), False),
-        min_new_tokens=_field(body, "min_tokens", (int,), 0),
-        n=_field(body, "n", (int,), 1),
-        logprobs=logprobs,
-        skip_special_tokens=_field(body, "skip_special_tokens", (bool,), True),
-    )
+def parse(model: type[BaseModel], body) -> BaseModel:
+    """Validate a JSON body (run-batch; the server lets FastAPI do it with the same models)."""
     try:
-        return SamplingParams(**kwargs)
-    except UserError as exc:
-        param = str(exc).split(" ", 1)[0]
-        param = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}.get(param, param)
-        raise InvalidRequest(str(exc).replace("max_new_tokens", "max_tokens"), param) from None
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
 
 
-def completion_prompts(body: dict) -> list[str | list[int]]:
+# ---- requests -> SamplingParams ---------------------------------------------------------------
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    if not bias:
+        return {}
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise InvalidParameter("'logit_bias' keys must be token ids", "logit_bias") from None
+
+
+def _build(names: dict[str, str], **kwargs) -> SamplingParams:
+    """SamplingParams, with a range error reported under the API's name for the field."""
+    try:
+        return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+    except InvalidParameter as exc:
+        param = names.get(exc.param, exc.param)
+        message = str(exc).replace(exc.param or "", param or "", 1)
+        raise InvalidParameter(message, param) from None
+
+
+def _common(req) -> dict:
+    stop = req.stop
+    return dict(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        seed=req.seed,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        n=req.n,
+        skip_special_tokens=req.skip_special_tokens,
+        logit_bias=_logit_bias(req.logit_bias),
+    )
+
+
+def _check_stream_options(req) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise InvalidParameter(
+            "'stream_options' is only allowed when 'stream' is true", "stream_options"
+        )
+
+
+def completion_params(req: CompletionRequest) -> SamplingParams:
+    """Sampling for /v1/completions; `echo` with `logprobs` also scores the prompt."""
+    _check_stream_options(req)
+    if req.suffix:
+        raise InvalidParameter("'suffix' is not supported", "suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise InvalidParameter("'best_of' is only supported equal to 'n'", "best_of")
+    scoring = req.logprobs if req.echo and req.logprobs is not None else None
+    return _build(
+        {**_OPENAI_NAMES, "prompt_logprobs": "logprobs"},
+        **_common(req),
+        max_new_tokens=16 if req.max_tokens is None else req.max_tokens,
+        min_new_tokens=req.min_tokens,
+        logprobs=req.logprobs,
+        prompt_logprobs=scoring,
+    )
+
+
+def chat_params(req: ChatCompletionRequest) -> SamplingParams:
+    _check_stream_options(req)
+    if req.response_format is not None and req.response_format.type != "text":
+        raise InvalidParameter(
+            f"response_format {req.response_format.type!r} is not supported yet "
+            "(structured outputs are not implemented)",
+            "response_format",
+        )
+    if req.tools and req.tool_choice != "none":
+        raise InvalidParameter(
+            "tool calling is not supported yet: 'tools' needs 'tool_choice': 'none'", "tool_choice"
+        )
+    if not req.tools and req.tool_choice not in (None, "none"):
+        raise InvalidParameter("'tool_choice' needs 'tools'", "tool_choice")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidParameter("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else None
+    max_tokens = req.max_tokens if max_tokens is None else max_tokens
+    return _build(
+        {**_OPENAI_NAMES, "logprobs": "top_logprobs"},
+        **_common(req),
+        max_new_tokens=16 if max_tokens is None else max_tokens,
+        min_new_tokens=req.min_tokens,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+    )
+
+
+def native_params(sp: NativeSamplingParams | None) -> SamplingParams:
+    """SGLang's sampling_params, names unchanged."""
+    sp = sp or NativeSamplingParams()
+    return _build(
+        {},
+        **_common(sp),
+        max_new_tokens=16 if sp.max_new_tokens is None else sp.max_new_tokens,
+        min_new_tokens=sp.min_new_tokens,
+    )
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     """`prompt` as a string, list of strings, token ids, or list of token-id lists."""
-    prompt = _field(body, "prompt", (str, list))
-    if isinstance(prompt, str):
+    return _prompt_list(req.prompt, "prompt")
+
+
+def generate_prompts(req: GenerateRequest) -> list[str | list[int]]:
+    if (req.text is None) == (req.input_ids is None):
+        raise InvalidParameter("give exactly one of 'text' or 'input_ids'", "text")
+    if req.text is not None:
+        return _prompt_list(req.text, "text")
+    return _prompt_list(req.input_ids, "input_ids")
+
+
+def _prompt_list(prompt, name: str) -> list[str | list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         return [prompt]
     if not prompt:
-        raise InvalidRequest("'prompt' must not be empty", "prompt")
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        return [prompt]
-    if all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
-        return list(prompt)
-    raise InvalidRequest(
-        "'prompt' must be a string, a list of strings, a list of token ids, "
-        "or a list of token-id lists",
-        "prompt",
-    )
+        raise InvalidParameter(f"'{name}' must not be empty", name)
+    return list(prompt)
 
 
-def chat_prompt_ids(tokenizer: TextTokenizer, body: dict) -> list[int]:
-    """Render `messages` through the model's chat template."""
-    messages = _field(body, "messages", (list,))
-    if not messages:
-        raise InvalidRequest("'messages' must not be empty", "messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in (
-            "system",
-            "user",
-            "assistant",
-            "developer",
-        ):
-            raise InvalidRequest(
-                f"messages[{i}] needs a role of system, user or assistant", "messages"
+def chat_prompt_ids(tokenizer: TextTokenizer, req: ChatCompletionRequest) -> list[int]:
+    """Render `messages` through the model's chat template (as transformers does)."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if content is None and m.role != "assistant":
+            raise InvalidParameter(
+                f"messages[{i}].content is required for role {m.role!r}", f"messages[{i}].content"
             )
-        content = m.get("content", "")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise InvalidRequest(
-                    f"messages[{i}].content: only text parts are supported", "messages"
-                )
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, str):
-            raise InvalidRequest(f"messages[{i}].content must be a string", "messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        clean.append({"role": role, "content": content})
-    return tokenizer.encode_chat(clean)
+            content = "".join(part.text for part in content)
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    # tools reach the template only with tool_choice "none" (chat_params): shown, never called
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    return tokenizer.encode_chat(messages, tools=tools)
 
 
-def _finish_reason(out: RequestOutput) -> str:
+# ---- responses --------------------------------------------------------------------------------
+def finish_reason(out: RequestOutput) -> str | None:
+    if not out.finished:
+        return None
     return "length" if out.finish_reason == "length" else "stop"
 
 
-def _usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict:
-    completion = sum(len(o.output_token_ids) for o in outputs)
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": prompt_tokens + completion,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
@@ -155,53 +244,88 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+def echo_text(tokenizer: TextTokenizer, prompt: str | list[int], ids: list[int]) -> str:
+    """The prompt as echoed: the caller's text, or the decoded token ids."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+
+
+def completion_logprobs(
+    tokenizer: TextTokenizer, token_ids: list[int], logprobs: list, text_offset: int = 0
+) -> tuple[dict, int]:
+    """Completion-style `logprobs` for these tokens, whose text starts at `text_offset` in the
+    choice's text; returns it and the offset after them. Entries of `logprobs` may be None
+    (the first prompt token has no logprob)."""
+    tokens, offsets = [], []
+    for t in token_ids:
+        offsets.append(text_offset)
+        tokens.append(tokenizer.decode([t], skip_special_tokens=False))
+        text_offset += len(tokenizer.decode([t]))
+    body = {
+        "tokens": tokens,
+        "token_logprobs": [None if e is None else e[0] for e in logprobs],
+        "top_logprobs": [
+            None
+            if e is None
+            else {tokenizer.decode([i], skip_special_tokens=False): v for i, v in e[1]}
+            for e in logprobs
+        ],
+        "text_offset": offsets,
+    }
+    return body, text_offset
+
+
+def echo_logprobs(tokenizer: TextTokenizer, ids: list[int], out: RequestOutput) -> dict | None:
+    """Prompt logprobs of an echoed prompt (None when the prompt was not scored)."""
+    if out.prompt_logprobs is None:
+        return None
+    return completion_logprobs(tokenizer, ids, out.prompt_logprobs)[0]
+
+
+def _join_logprobs(first: dict | None, second: dict | None) -> dict | None:
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
+
+
 def completion_response(
     model: str,
     tokenizer: TextTokenizer,
     prompts: list[tuple[str | list[int], list[int]]],
     results: list[list[RequestOutput]],
+    params: SamplingParams,
     echo: bool = False,
     request_id: str | None = None,
 ) -> dict:
-    """`text_completion` body: choice index runs over prompts, then samples."""
-    choices, prompt_tokens, everything = [], 0, []
+    """`text_completion` body: choice index runs over prompts, then samples. With echo the
+    choice's text (and its logprobs, when asked) cover the prompt, then the completion."""
+    choices, prompt_tokens, completion_tokens = [], 0, 0
     for (prompt, ids), outs in zip(prompts, results, strict=True):
         prompt_tokens += len(ids)
-        prefix = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if echo else ""
+        prefix = echo_text(tokenizer, prompt, ids) if echo else ""
         for out in outs:
+            completion_tokens += len(out.output_token_ids)
             lp = None
-            if out.logprobs:
-                lp = completion_logprobs(tokenizer, out.output_token_ids, out.logprobs)
+            if params.logprobs is not None:
+                lp, _ = completion_logprobs(
+                    tokenizer, out.output_token_ids, out.logprobs, len(prefix)
+                )
+                if echo:
+                    lp = _join_logprobs(echo_logprobs(tokenizer, ids, out), lp)
             choices.append(
                 {
                     "index": len(choices),
                     "text": prefix + out.text,
                     "logprobs": lp,
-                    "finish_reason": _finish_reason(out),
+                    "finish_reason": finish_reason(out),
                 }
             )
-            everything.append(out)
     return {
         "id": request_id or new_id("cmpl"),
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": _usage(prompt_tokens, everything),
-    }
-
-
-def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs: list) -> dict:
-    """Completion-style `logprobs` for the given tokens (a whole choice or a stream chunk)."""
-    tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp for lp, _ in logprobs],
-        "top_logprobs": [
-            {tokenizer.decode([i], skip_special_tokens=False): v for i, v in alts}
-            for _, alts in logprobs
-        ],
-        "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))],
+        "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
@@ -236,7 +360,7 @@ def chat_response(
                 "index": i,
                 "message": {"role": "assistant", "content": out.text},
                 "logprobs": lp,
-                "finish_reason": _finish_reason(out),
+                "finish_reason": finish_reason(out),
             }
         )
     return {
@@ -245,5 +369,5 @@ def chat_response(
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": _usage(prompt_len, outputs),
+        "usage": usage(prompt_len, sum(len(o.output_token_ids) for o in outputs)),
     }

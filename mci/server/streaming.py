@@ -36,11 +36,12 @@ def streaming_response(gen: AsyncIterator[str], sub: Submission) -> StreamingRes
 
 
 async def _reportable(sub: Submission, usage: list[int]) -> AsyncIterator[RequestOutput]:
-    """Outputs worth a chunk (new text, the end, or an error); counts tokens into usage[0]."""
+    """Outputs worth a chunk (new text or tokens, prompt logprobs, the end, or an error);
+    counts tokens into usage[0]."""
     while sub.remaining:
         out = await sub.next()
         usage[0] += len(out.new_token_ids)
-        if out.error or out.delta_text or out.finished:
+        if out.error or out.delta_text or out.new_logprobs or out.finished or out.prompt_logprobs:
             yield out
             if out.error:
                 return
@@ -48,12 +49,7 @@ async def _reportable(sub: Submission, usage: list[int]) -> AsyncIterator[Reques
 
 def _usage_chunk(base: dict, prompt_tokens: int, completion_tokens: int) -> str:
     """The final chunk of `stream_options.include_usage`: no choices, just usage."""
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    return sse({**base, "choices": [], "usage": usage})
+    return sse({**base, "choices": [], "usage": protocol.usage(prompt_tokens, completion_tokens)})
 
 
 def stream_error(out: RequestOutput) -> str:
@@ -61,34 +57,37 @@ def stream_error(out: RequestOutput) -> str:
 
 
 async def stream_completion(state, sub, rid, prompts, params, echo, include_usage):
+    """Completion chunks. With echo, a choice's first chunk is its prompt (and the prompt's
+    logprobs, when asked), sent once the engine has scored it; `text_offset` always indexes
+    the choice's whole text so far."""
     created, usage = int(time.time()), [0]
     base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
-    if echo:
-        for idx in sub.index.values():
-            prompt, ids = prompts[idx // params.n]
-            text = prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)
-            yield sse(
-                {
-                    **base,
-                    "choices": [
-                        {"index": idx, "text": text, "logprobs": None, "finish_reason": None}
-                    ],
-                }
-            )
+    tokenizer = state.tokenizer
+    offsets: dict[int, int] = {}  # choice index -> characters of its text so far
+
+    def chunk(idx: int, text: str, logprobs, reason) -> str:
+        choice = {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return sse({**base, "choices": [choice]})
+
     async for out in _reportable(sub, usage):
         if out.error:
             yield stream_error(out)
             break
+        idx = sub.index[out.request_id]
+        if idx not in offsets:
+            offsets[idx] = 0
+            if echo:
+                prompt, ids = prompts[idx // params.n]
+                text = protocol.echo_text(tokenizer, prompt, ids)
+                offsets[idx] = len(text)
+                yield chunk(idx, text, protocol.echo_logprobs(tokenizer, ids, out), None)
         lp = None
-        if out.new_logprobs:
-            lp = protocol.completion_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs)
-        choice = {
-            "index": sub.index[out.request_id],
-            "text": out.delta_text,
-            "logprobs": lp,
-            "finish_reason": finish_reason(out),
-        }
-        yield sse({**base, "choices": [choice]})
+        if params.logprobs is not None:
+            lp, offsets[idx] = protocol.completion_logprobs(
+                tokenizer, out.new_token_ids, out.new_logprobs, offsets[idx]
+            )
+        if out.delta_text or out.new_token_ids or out.finished:
+            yield chunk(idx, out.delta_text, lp, protocol.finish_reason(out))
     if include_usage:
         yield _usage_chunk(base, sum(len(ids) for _, ids in prompts), usage[0])
     yield sse("[DONE]")
@@ -132,7 +131,7 @@ async def stream_chat(state, sub, rid, prompt_len, include_usage):
                         "index": sub.index[out.request_id],
                         "delta": delta,
                         "logprobs": lp,
-                        "finish_reason": finish_reason(out),
+                        "finish_reason": protocol.finish_reason(out),
                     }
                 ],
             }
@@ -162,12 +161,6 @@ async def stream_native(sub, encoded):
             }
         )
     yield sse("[DONE]")
-
-
-def finish_reason(out: RequestOutput) -> str | None:
-    if not out.finished:
-        return None
-    return "length" if out.finish_reason == "length" else "stop"
 
 
 def native_finish_reason(out: RequestOutput):

@@ -1,0 +1,274 @@
+"""The HTTP API's request and response shapes as pydantic models: the OpenAPI contract.
+
+Requests are strict (a JSON int is accepted for a float, nothing else is coerced) and forbid
+unknown fields: every accepted field either takes effect or is rejected with a 400 that names
+it (`protocol.py` rejects the declared-but-unsupported ones). Fields accepted and ignored,
+because they cannot change the output: `user`, `metadata`, `store`, `parallel_tool_calls`.
+Response models document what handlers return; handlers build plain dicts (no per-response
+validation cost), and the contract is checked by fuzzing the live server (tests/test_fuzz.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+def _clean_text(value: str) -> str:
+    """Text a tokenizer can take: no lone surrogates (not encodable as UTF-8), no NUL."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (it contains a lone surrogate)") from None
+    if "\x00" in value:
+        raise ValueError("text must not contain NUL characters")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_clean_text)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+NOT_YET_SUPPORTED = {  # fields of other engines' APIs that need structured outputs
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "regex",
+    "json_schema",
+    "ebnf",
+    "structural_tag",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions (OpenAI, then vLLM/SGLang extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, description="tokens to generate (default 16)")
+    temperature: float | None = Field(None, description="0 is greedy; default 1")
+    top_p: float | None = None
+    n: int | None = Field(None, description="samples per prompt (default 1)")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Text | list[Text] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100], added to the logit"
+    )
+    seed: int | None = None
+    user: str | None = Field(None, description="accepted and ignored")
+    # extras, named as in vLLM and SGLang
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = Field(None, description="smaller is served first")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
+    echo: bool | None = False
+    logprobs: int | None = Field(None, description="top alternatives per token, 0-20")
+    suffix: str | None = Field(None, description="not supported: must be absent or empty")
+    best_of: int | None = Field(None, description="only equal to n is supported")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = Field(None, description="accepted and ignored")
+    metadata: dict[str, str] | None = Field(None, description="accepted and ignored")
+    store: bool | None = Field(None, description="accepted and ignored")
+
+
+class NativeSamplingParams(_Strict):
+    """SGLang's `sampling_params` object."""
+
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    n: int | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class GenerateRequest(_Strict):
+    """SGLang's native `/generate`: exactly one of `text` or `input_ids`."""
+
+    text: Text | list[Text] | None = None
+    input_ids: TokenIds | list[TokenIds] | None = None
+    sampling_params: NativeSamplingParams | None = None
+    stream: bool | None = False
+    priority: int | None = None
+
+
+# ---- responses --------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+FinishReason = Literal["stop", "length"] | None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class NativeFinish(BaseModel):
+    type: Literal["stop", "length"]
+    matched: str | int | None = None
+
+
+class NativeMetaInfo(BaseModel):
+    id: str
+    finish_reason: NativeFinish | None = None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    output_ids: list[int]
+    meta_info: NativeMetaInfo
+
+
+class HealthResponse(BaseModel):
+    status: str
