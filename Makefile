@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PROMPT ?= def fibonacci(n):
 
-.PHONY: run generate test test-slow lint bench clean default-model
+.PHONY: run generate test test-slow test-lm-eval fuzz lint bench clean default-model
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,19 @@ test: $(VENV)/.installed
 	$(PY) -m ruff check mci tests scripts
 	$(PY) -m pytest -q
 
+# Contract fuzzing of the live server's OpenAPI schema, deeper than CI's seeded pass.
+FUZZ_EXAMPLES ?= 300
+FUZZ_SEED     ?= random
+fuzz: $(VENV)/.installed
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_SEED=$(FUZZ_SEED) $(PY) -m pytest -q -s tests/test_fuzz.py
+
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow
+
+# lm-evaluation-harness through `mci serve` vs transformers (slow; installs the extra on first use).
+test-lm-eval: $(VENV)/.installed
+	$(PY) -c 'import lm_eval' 2>/dev/null || $(PY) -m pip install -q -e '.[lm-eval]'
+	$(PY) -m pytest -q -m slow tests/test_lm_eval.py
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check mci tests scripts
