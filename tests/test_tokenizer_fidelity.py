@@ -13,9 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from conftest import load_hf_reference
+from server_helpers import LiveServer
 from tokenizers import AddedToken, Tokenizer, processors
 
 from mci.cli import DEFAULT_MODEL
@@ -301,8 +303,9 @@ def test_written_tokenizer_adds_bos(checkpoint):
 
 
 def test_greedy_text_equals_transformers_without_bos(checkpoint, tmp_path):
-    """End to end on a checkpoint whose post-processor adds nothing: `mci generate`, the Engine and
-    transformers' generate all see the same prompt ids and produce the same greedy text."""
+    """End to end on a checkpoint whose post-processor adds nothing: `mci generate`, the Engine,
+    `/v1/completions` and transformers' generate all see the same prompt ids and produce the
+    same greedy text."""
     path = Path(shutil.copytree(checkpoint(), tmp_path / "ckpt"))
     tok_file = path / "tokenizer.json"
     data = json.loads(tok_file.read_text(encoding="utf-8"))
@@ -349,3 +352,13 @@ def test_greedy_text_equals_transformers_without_bos(checkpoint, tmp_path):
     )
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout == prompt + hf_text + "\n"
+
+    # and through the server: the text prompt is tokenised as transformers does
+    with LiveServer(path, "--max-total-tokens", "2048") as server:
+        body = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        ).json()
+    assert body["choices"][0]["text"] == hf_text
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)
