@@ -173,9 +173,7 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) exceeds the context length {limit}"
             )
-        vocab = self.model.cfg.vocab_size
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise UserError(f"logit_bias token ids must be in [0, {vocab})")
+        params.check_vocab(self.model.cfg.vocab_size)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         reqs = []
         for i in range(params.n):

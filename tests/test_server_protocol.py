@@ -4,6 +4,7 @@ bodies for 404/405, and the OpenAPI contract being served."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import httpx
@@ -230,3 +231,32 @@ def test_openapi_contract_is_served(server):
         assert name in chat
     assert "422" not in json.dumps(paths["/v1/completions"]["post"]["responses"])
     assert httpx.get(server.url + "/docs").status_code == 200
+
+
+def test_extreme_values_never_fail_other_requests(server):
+    """Values at the edges of their types are a 400 or served, and never fail the step that
+    other requests share (an out-of-range id there would abort the whole batch)."""
+    normal = {"prompt": "import os", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    extremes = [
+        {"top_k": 2**62},
+        {"stop_token_ids": [10**12], "min_tokens": 3},
+        {"logit_bias": {str(2**40): 5}},
+        {"priority": 10**30},
+        {"min_tokens": 10**12, "max_tokens": 2},
+        {"temperature": 1e308, "top_p": 1e-300},
+        {"repetition_penalty": 1e308, "frequency_penalty": 2},
+        {"max_tokens": 2**63},
+        {"n": 10**9},
+        {"logprobs": 10**9},
+    ]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        first = pool.submit(_post, server, "/v1/completions", normal)
+        odd = [
+            pool.submit(_post, server, "/v1/completions", {"prompt": "x", **e}) for e in extremes
+        ]
+        codes = [f.result().status_code for f in odd]
+        done = first.result()
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 40
+    assert set(codes) <= {200, 400}, codes
+    state = server.wait_idle()
+    assert state["kv_cache_usage"] == 0 and state["integrity_ok"]

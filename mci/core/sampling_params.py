@@ -53,7 +53,7 @@ class SamplingParams:
             (self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0"),
             (self.temperature >= 0, "temperature", "must be >= 0"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
+            (0 <= self.top_k < 2**31, "top_k", "must be in [0, 2^31) (0 disables it)"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
@@ -93,6 +93,16 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise InvalidParameter(f"{param} {message}", param)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named here must exist in the model: checked before a request is accepted,
+        since an out-of-range id would fail the whole batch's step."""
+        if any(t >= vocab_size for t in self.stop_token_ids):
+            raise InvalidParameter(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+        if any(t >= vocab_size for t, _ in self.logit_bias):
+            raise InvalidParameter(
+                f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias"
+            )
 
     @property
     def greedy(self) -> bool:

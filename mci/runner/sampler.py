@@ -43,7 +43,7 @@ def token_logprobs(
 
 def _apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
     for i, r in enumerate(reqs):
-        if r.bias_ids.numel():
+        if r.params.logit_bias:
             logits[i].index_add_(0, r.bias_ids, r.bias_values.to(logits.dtype))
 
 

@@ -174,7 +174,8 @@ class Scheduler:
                 sample_rows.append(row)
                 row += 1
         sampling = [item for item in batch.items if item.sample]
-        result = sample(logits[sample_rows], [item.request for item in sampling], self.eos_ids)
+        sample_logits = logits[sample_rows] if scored else logits  # no copy on the usual step
+        result = sample(sample_logits, [item.request for item in sampling], self.eos_ids)
         for req, positions, rows in scored:
             targets = torch.tensor(req.prompt_ids[positions.start + 1 : positions.stop + 1])
             lp = torch.log_softmax(rows, dim=-1)

@@ -103,17 +103,6 @@ def _admit(state: ServerState, num_samples: int) -> None:
         )
 
 
-def _check_vocab(state: ServerState, params: SamplingParams) -> None:
-    vocab = state.model_config.vocab_size
-    if any(t >= vocab for t, _ in params.logit_bias):
-        raise HTTPError(
-            400,
-            f"logit_bias token ids must be in [0, {vocab})",
-            "invalid_request_error",
-            "logit_bias",
-        )
-
-
 def _check_length(state: ServerState, ids: list[int], params: SamplingParams) -> None:
     if len(ids) + params.max_new_tokens > state.context_length:
         raise HTTPError(
@@ -269,7 +258,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         _check_model(state, body.model)
         params = protocol.completion_params(body)
-        _check_vocab(state, params)
+        params.check_vocab(state.model_config.vocab_size)
         prompts = [(p, _encode(state, p)) for p in protocol.completion_prompts(body)]
         for _, ids in prompts:
             _check_length(state, ids, params)
@@ -292,7 +281,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
         params = protocol.chat_params(body)
-        _check_vocab(state, params)
+        params.check_vocab(state.model_config.vocab_size)
         ids = protocol.chat_prompt_ids(state.tokenizer, body)
         _check_length(state, ids, params)
         _admit(state, params.n)
@@ -313,7 +302,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def generate(body: GenerateRequest, request: Request):
         """SGLang's native API: text or input_ids, sampling_params, stream."""
         params = protocol.native_params(body.sampling_params)
-        _check_vocab(state, params)
+        params.check_vocab(state.model_config.vocab_size)
         prompts = protocol.generate_prompts(body)
         single = isinstance(body.text, str) or (
             body.input_ids is not None and isinstance(body.input_ids[0], int)
