@@ -87,3 +87,17 @@ def load_hf_reference(path, dtype=torch.float32):
 
     transformers.logging.set_verbosity_error()
     return DeepseekV3ForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
+    """Exactly n greedy tokens from a transformers model after `prompt_ids` (EOS ignored)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_hf_reference
+from conftest import hf_greedy, load_hf_reference
 from engine_helpers import drive, greedy, make_scheduler
 
 from mci.core.request import Request
@@ -60,16 +60,7 @@ def test_solo_generation_equals_hf_greedy(setup, expected):
     path, model, _ = setup
     hf = load_hf_reference(path)
     for rid, prompt, n, _ in _workload(2048):
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert out[0, len(prompt) :].tolist() == expected[rid], rid
+        assert hf_greedy(hf, prompt, n) == expected[rid], rid
 
 
 @pytest.mark.parametrize(

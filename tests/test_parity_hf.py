@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_hf_reference
+from conftest import hf_greedy, load_hf_reference
 from helpers import prefill_logits
 
 from mci.generate import generate
@@ -68,13 +68,4 @@ def test_greedy_continuation_matches_reference(checkpoint, variant):
     ours, ref = load_model(path, "float32"), load_hf_reference(path)
     ids = _prompt(12, ours.cfg.vocab_size, seed=99)
     got = generate(ours, ids, max_new_tokens=32).token_ids
-    with torch.no_grad():
-        out = ref.generate(
-            torch.tensor([ids]),
-            max_new_tokens=32,
-            min_new_tokens=32,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    assert got == out[0, len(ids) :].tolist()
+    assert got == hf_greedy(ref, ids, 32)

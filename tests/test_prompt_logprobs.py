@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import load_hf_reference
+from engine_helpers import drive, greedy, make_scheduler
 
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
-from tests.conftest import load_hf_reference
-from tests.engine_helpers import drive, greedy, make_scheduler
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from conftest import load_hf_reference
+from conftest import hf_greedy, load_hf_reference
 from server_helpers import LiveServer
 from tokenizers import AddedToken, Tokenizer, processors
 
@@ -316,16 +315,7 @@ def test_greedy_text_equals_transformers_without_bos(checkpoint, tmp_path):
     hf_tok = _hf(path)
     prompt_ids = hf_tok(prompt)["input_ids"]
     assert prompt_ids[0] != hf_tok.bos_token_id
-    with torch.no_grad():
-        out = load_hf_reference(path).generate(
-            torch.tensor([prompt_ids]),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    hf_ids = out[0, len(prompt_ids) :].tolist()
+    hf_ids = hf_greedy(load_hf_reference(path), prompt_ids, n)
     hf_text = hf_tok.decode(hf_ids, skip_special_tokens=True)
 
     engine = Engine(
