@@ -220,6 +220,11 @@ class TextTokenizer:
         `add_bos` overrides that: True gives BOS + the bare ids, False the bare ids (no special
         tokens at all), for callers that frame sequences themselves (training, evaluation).
         """
+        if not text.isascii():  # a lone surrogate would fail deep inside the tokenizer
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UserError("text must be valid Unicode (it has a lone surrogate)") from None
         if add_bos is None:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         ids = self._tok.encode(text, add_special_tokens=False).ids

@@ -203,6 +203,19 @@ def test_bad_bytes_and_huge_tokens_are_400_never_500(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     long_word = _post(server, "/v1/completions", {"prompt": "a" * 60_000, "max_tokens": 1})
     assert long_word.status_code == 400 and "context length" in long_word.json()["error"]["message"]
+    for body in (
+        {"prompt": "x", "\ud800": 1},  # a field name that cannot be encoded back
+        {"messages": [{"role": "user", "content": "x", "name": "\ud800"}]},
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"\udc00": 1}}}],
+            "tool_choice": "none",
+        },
+    ):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = _post(server, path, body)
+        # 400, or 200 where the text never reaches the tokenizer (a template without tools)
+        assert r.status_code in (200, 400), r.text
     huge_id = _post(server, "/v1/completions", {"prompt": [10**30], "max_tokens": 1})
     assert huge_id.status_code == 400
     assert _post(server, "/v1/completions", [1, 2]).status_code == 400

@@ -6,11 +6,12 @@ FastAPI's 422), bad values (400), unknown paths and methods (404/405), and bugs 
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mci.errors import InvalidParameter, UserError
@@ -39,10 +40,11 @@ def error_body(message: str, type_: str, param=None, code=None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(exc: HTTPError) -> JSONResponse:
-    return JSONResponse(
-        error_body(str(exc), exc.type, exc.param, exc.code), exc.status, headers=exc.headers
-    )
+def error_response(exc: HTTPError) -> Response:
+    # ASCII-escaped JSON: a message may quote the client's own bad text (a lone surrogate in
+    # a field name), which must not turn the error into a failure to encode it
+    body = json.dumps(error_body(str(exc), exc.type, exc.param, exc.code))
+    return Response(body, exc.status, headers=exc.headers, media_type="application/json")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -50,7 +52,7 @@ def install_error_handlers(app: FastAPI) -> None:
     # imported here: protocol imports the tokenizer and engine types, errors must stay light
     from mci.server.protocol import from_validation_errors
 
-    def invalid(exc: InvalidParameter) -> JSONResponse:
+    def invalid(exc: InvalidParameter) -> Response:
         return error_response(HTTPError(400, str(exc), "invalid_request_error", exc.param))
 
     @app.exception_handler(HTTPError)

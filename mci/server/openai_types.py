@@ -95,7 +95,7 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart] | None = None
-    name: str | None = None
+    name: Text | None = None
 
 
 class ResponseFormat(_Strict):
@@ -104,8 +104,8 @@ class ResponseFormat(_Strict):
 
 
 class FunctionDefinition(_Strict):
-    name: str
-    description: str | None = None
+    name: Text
+    description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
