@@ -87,10 +87,11 @@ class MultiHeadLatentAttention(nn.Module):
         q = q.view(t, self.num_heads, self.nope + self.rope_dim)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)  # [T, H, nope], [T, H, rope]
         c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # latent: [T, D]
-        cos, sin = rope_cos_sin
-        q_rope = apply_rope(q_rope, cos[:, None], sin[:, None], self.interleave)  # over heads
-        k_rope = apply_rope(k_rope, cos, sin, self.interleave)
-        new_rows = torch.cat((self.kv_a_layernorm(c_kv), k_rope), dim=-1)  # [T, kv_lora + rope]
+        cos, sin = rope_cos_sin  # float32: rotations are computed in float32, rounded once
+        q_rope = apply_rope(q_rope, cos[:, None], sin[:, None], self.interleave).to(q.dtype)
+        k_rope = apply_rope(k_rope, cos, sin, self.interleave)  # rounded on the cache write
+        c_kv = self.kv_a_layernorm(c_kv, k_rope.dtype)
+        new_rows = torch.cat((c_kv, k_rope), dim=-1)  # [T, kv_lora + rope]
         kv_cache.index_copy_(0, meta.write_slots, new_rows.to(kv_cache.dtype))
         b, length = meta.kv_slots.shape
         context = kv_cache.index_select(0, meta.kv_slots.view(-1)).view(b, length, -1)  # [B, L, D]
@@ -121,19 +122,24 @@ class MultiHeadLatentAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope :]
 
     def _absorbed(self, q_nope, q_rope, context, meta: AttentionMetadata) -> torch.Tensor:
+        length = context.shape[1]
         w_uk, w_uv = self._kv_b_heads(q_nope.dtype)
         # q_lat[t, h] = W_UK_h^T q_nope[t, h]: [H, T, nope] @ [H, nope, kv_lora] -> [T, H, kv_lora]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         q_full = self._pad(torch.cat((q_lat, q_rope), dim=-1), meta)  # [B, Q, H, kv_lora + rope]
         b, q_len, h, d = q_full.shape
-        # All heads share the single latent key/value, so attention is one bmm per sequence.
-        scores = torch.bmm(q_full.view(b, q_len * h, d), context.transpose(1, 2))  # [B, Q*H, L]
-        scores = scores.float().mul_(self.scale).view(b, q_len, h, -1)
-        if meta.mask is not None:
-            scores.masked_fill_(~meta.mask[:, :, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(context.dtype).view(b, q_len * h, -1)
-        out_lat = torch.bmm(probs, context[..., : self.kv_lora_rank])  # [B, Q*H, kv_lora]
-        out_lat = self._unpad(out_lat.view(b, q_len, h, -1), meta)  # [T, H, kv_lora]
+        # All heads share the single latent key/value, so the Q*H (query, head) pairs attend as
+        # one head of one fused SDPA call per sequence. The latent row is both key and value
+        # (its last `rope` output columns are dropped); SDPA keeps scores and softmax in
+        # float32, where separate bmms would round the scores to bf16 first.
+        mask = None
+        if meta.mask is not None:  # [B, Q, L] -> [B, 1, Q*H, L]
+            mask = meta.mask[:, None, :, None].expand(-1, -1, -1, h, -1).reshape(b, 1, -1, length)
+        kv = context[:, None]  # [B, 1, L, kv_lora + rope]
+        out = F.scaled_dot_product_attention(
+            q_full.view(b, 1, q_len * h, d), kv, kv, attn_mask=mask, scale=self.scale
+        )  # [B, 1, Q*H, kv_lora + rope]
+        out_lat = self._unpad(out.view(b, q_len, h, d)[..., : self.kv_lora_rank], meta)
         # out[t, h] = W_UV_h out_lat[t, h]: [H, T, kv_lora] @ [H, kv_lora, v] -> [T, H, v]
         return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 

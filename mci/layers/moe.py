@@ -61,7 +61,8 @@ class RoutedExperts(nn.Module):
         self.down_proj = Linear(i, (h,), dtype, fp8_block, num_experts=e)  # [E, H, I]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, H], weights/ids: [T, K] -> sum_k weights[t,k] * expert_{ids[t,k]}(x[t])."""
+        """x: [T, H], weights/ids: [T, K] -> sum_k weights[t,k] * expert_{ids[t,k]}(x[t]),
+        float32 [T, H]."""
         top_k = ids.shape[1]
         flat_ids = ids.flatten()  # [T*K]
         order = flat_ids.argsort(stable=True)  # assignments grouped by expert
@@ -78,15 +79,23 @@ class RoutedExperts(nn.Module):
             gate, up = self.gate_up_proj(seg, expert).chunk(2, dim=-1)
             out_sorted[start : start + count] = self.down_proj(F.silu(gate) * up, expert)
             start += count
-        scaled = (out_sorted.float() * weights.flatten()[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_idx, scaled)
+        # Weighted and summed in float32 (one rounding fewer per expert output than bf16).
+        scaled = out_sorted.float() * weights.flatten()[order, None]
+        return x.new_zeros(x.shape, dtype=torch.float32).index_add_(0, token_idx, scaled)
 
 
 class MoE(nn.Module):
-    """Routed experts plus always-on shared experts; x: [T, hidden] -> [T, hidden]."""
+    """Routed experts plus always-on shared experts; x: [T, hidden] -> float32 [T, hidden].
+
+    Takes its input in float32 (the decoder layer's norm skips rounding it): routing is a
+    discrete choice, and near-ties between experts flip on the rounding of the router's input,
+    which moves a token's logprob by a lot more than any other rounding. The router reads the
+    unrounded input; the experts get it rounded to the compute dtype once.
+    """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block):
         super().__init__()
+        self.dtype = dtype
         self.gate = TopKRouter(cfg)
         self.experts = RoutedExperts(cfg, dtype, fp8_block)
         self.shared_experts = None
@@ -96,6 +105,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        x = x.to(self.dtype)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -1,4 +1,10 @@
-"""RMSNorm, computed in float32 like the reference, returned in the input dtype.
+"""RMSNorm, computed in float32 and rounded once to the output dtype.
+
+The residual stream reaching it is float32 (see `mci.models.decoder_layer`); the output is in
+the model dtype for the matmuls that follow, or float32 for a consumer that wants it unrounded
+(the MoE router). Normalising and weighting both happen in float32 before the one rounding:
+transformers rounds after normalising and again after the weight multiply, which measurably
+adds to bf16 drift.
 
 (torch's F.rms_norm is a composite of more, smaller ops on CPU and measured slower here.)"""
 
@@ -7,15 +13,15 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """y = weight * x / sqrt(mean(x^2) + eps); the weight multiplies after casting back."""
+    """y = weight * x / sqrt(mean(x^2) + eps), returned in `out_dtype` (default: the weight's)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., dim]
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        # x: [..., dim], any float dtype; the product with a bf16 weight promotes to float32.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return (xf * self.weight).to(out_dtype or self.weight.dtype)

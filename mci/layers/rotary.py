@@ -92,6 +92,10 @@ def apply_rope(
     Interleaved checkpoints pair dims (0,1), (2,3), ...; the others pair (i, i + dim/2). Both
     write the result de-interleaved ([rotated evens | rotated odds]); q and k get the same
     permutation, so their dot products are exactly the rotated ones.
+
+    The result has the promoted dtype of x and cos/sin: float32 for bf16 x and the float32
+    tables, and the caller rounds once. (bf16 tables, as transformers uses, cost accuracy: the
+    angles' own rounding, then a rounding per product.)
     """
     if interleave:
         x1, x2 = x[..., 0::2], x[..., 1::2]

@@ -13,11 +13,18 @@ from mci.layers.norm import RMSNorm
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + ffn(norm(h)); the ffn is dense or MoE."""
+    """Pre-norm block: x + attn(norm(x)), then h + ffn(norm(h)); the ffn is dense or MoE.
+
+    The residual stream x is float32 whatever the compute dtype: each sublayer's output is
+    added without rounding the running sum (transformers rounds it to bf16 twice per layer).
+    Only [T, hidden] elementwise work is float32; every matmul input is in the compute dtype.
+    """
 
     def __init__(self, cfg: ModelConfig, moe: bool, dtype: torch.dtype):
         super().__init__()
         fp8 = cfg.fp8.block_size if cfg.fp8 else None
+        # The MoE takes its input unrounded, for its router (see `MoE`).
+        self.ffn_input_dtype = torch.float32 if moe else dtype
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = MultiHeadLatentAttention(cfg, dtype, fp8)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -28,6 +35,7 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, x, meta, rope_cos_sin, kv_cache, absorbed: bool) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]; kv_cache: [num_slots, latent_dim] of this layer."""
+        """x: float32 [T, hidden] -> float32 [T, hidden]; kv_cache: [num_slots, latent_dim]
+        of this layer."""
         x = x + self.self_attn(self.input_layernorm(x), meta, rope_cos_sin, kv_cache, absorbed)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x, self.ffn_input_dtype))

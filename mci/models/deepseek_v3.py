@@ -64,9 +64,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         return torch.zeros(shape, dtype=self.dtype, device=device)
 
     def rope_for(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [T, rope/2] for the step's positions, computed once and shared by all layers."""
-        cos, sin = self.rotary.cos_sin(meta.positions, meta.max_position)
-        return cos.to(self.dtype), sin.to(self.dtype)
+        """cos/sin [T, rope/2] for the step's positions, computed once and shared by all layers.
+
+        Kept in float32 whatever the model dtype: rotating in float32 and rounding once is
+        measurably closer to the fp32 reference than bf16 tables, and the tensors are tiny."""
+        return self.rotary.cos_sin(meta.positions, meta.max_position)
 
     def resolve_path(self, meta: AttentionMetadata, attention_path: str) -> bool:
         if attention_path == "auto":
@@ -92,10 +94,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         """`forward` without inference mode, so autograd can follow it (training)."""
         absorbed = self.resolve_path(meta, attention_path)
         rope = self.rope_for(meta)
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids).float()  # the residual stream is float32
         for i, layer in enumerate(self.model.layers):
             x = layer(x, meta, rope, kv_cache[i], absorbed)
-        return self.model.norm(x)
+        return self.model.norm(x)  # in the model dtype, for lm_head and the MTP modules
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -122,5 +124,5 @@ class DeepseekV3ForCausalLM(nn.Module):
         absorbed = self.resolve_path(meta, attention_path)
         layer = self.mtp[k]
         cache_row = kv_cache[self.cfg.num_hidden_layers + k]
-        out = layer(next_ids, hidden, meta, self.rope_for(meta), cache_row, absorbed)
-        return out, layer.logits(out)
+        out = layer(next_ids, hidden, meta, self.rope_for(meta), cache_row, absorbed)  # float32
+        return out.to(self.dtype), layer.logits(out)

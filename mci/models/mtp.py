@@ -47,9 +47,9 @@ class MTPLayer(DecoderLayer):
     def forward(
         self, next_ids, hidden, meta, rope_cos_sin, kv_cache, absorbed: bool
     ) -> torch.Tensor:
-        """next_ids: [T], hidden: [T, hidden] -> the block's output [T, hidden]."""
+        """next_ids: [T], hidden: [T, hidden] -> the block's output, float32 [T, hidden]."""
         x = torch.cat((self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)), dim=-1)
-        x = self.eh_proj(x)
+        x = self.eh_proj(x).float()  # the block's residual stream is float32
         return super().forward(x, meta, rope_cos_sin, kv_cache, absorbed)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
