@@ -25,8 +25,6 @@ from mci.server.openai_types import (
 )
 from mci.tokenizer import TextTokenizer
 
-InvalidRequest = InvalidParameter  # a 400 with `param` (OpenAI's error.param)
-
 
 # ---- validation errors ------------------------------------------------------------------------
 def _param_path(loc: tuple) -> str | None:
@@ -161,8 +159,7 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
         raise InvalidParameter("'tool_choice' needs 'tools'", "tool_choice")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidParameter("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else None
-    max_tokens = req.max_tokens if max_tokens is None else max_tokens
+    max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     return _build(
         {**_OPENAI_NAMES, "logprobs": "top_logprobs"},
         **_common(req),
