@@ -153,7 +153,9 @@ class Scheduler:
                 req.num_cached_prompt_tokens = req.cached_len
                 self.counters["prefix_cache_queries"] += req.num_prompt_tokens
                 self.counters["prefix_cache_hits"] += req.cached_len
-            assert self.kv.allocate(req, n)
+            # not an assert: the allocation must happen under `python -O` too
+            if not self.kv.allocate(req, n):  # cannot fail: `available` was checked above
+                raise RuntimeError(f"KV allocation of {n} slots failed after the check")
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
