@@ -47,8 +47,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        bias = dict(self.logit_bias) if isinstance(self.logit_bias, dict) else self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple(tuple(kv) for kv in dict(bias).items()))
+        # a dict or (id, bias) pairs -> hashable pairs, one per token id
+        object.__setattr__(self, "logit_bias", tuple(dict(self.logit_bias).items()))
         checks = [  # (holds, parameter, message)
             (self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0"),
             (self.temperature >= 0, "temperature", "must be >= 0"),
