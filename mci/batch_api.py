@@ -79,18 +79,23 @@ def run_batch(engine: Engine, input_path: Path, output_path: Path, model_name: s
             if job.url.endswith("chat/completions"):
                 job.request = protocol.parse(ChatCompletionRequest, job.body)
                 job.params = protocol.chat_params(job.request)
-                job.prompts = [(None, protocol.chat_prompt_ids(engine.tokenizer, job.request))]
+                texts = [protocol.chat_prompt_ids(engine.tokenizer, job.request)]
+                names = protocol.CHAT_NAMES
             else:
                 job.request = protocol.parse(CompletionRequest, job.body)
                 job.params = protocol.completion_params(job.request)
-                job.prompts = [
-                    (p, engine.encode_prompt(p)) for p in protocol.completion_prompts(job.request)
-                ]
+                texts = protocol.completion_prompts(job.request)
+                names = protocol.COMPLETION_NAMES
             if job.request.stream:
                 raise UserError("'stream' is not supported in a batch")
-            for k, (_, ids) in enumerate(job.prompts):
+            with protocol.reported_as(names):  # every prompt is checked before any is queued
+                encoded = [engine.front.encode(p) for p in texts]
+                for ids in encoded:
+                    engine.front.check(ids, job.params)
+            job.prompts = list(zip(texts, encoded, strict=True))
+            for k, ids in enumerate(encoded):
                 rid = f"batch-{i}-{k}"
-                job.sample_ids.append(engine.submit_ids(ids, job.params, sink, rid))
+                job.sample_ids.append(engine.add_request(ids, job.params, sink, rid))
         except UserError as exc:
             job.error = str(exc)
         wanted += [r for rids in job.sample_ids for r in rids]

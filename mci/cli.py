@@ -53,8 +53,11 @@ def _non_negative_float(text: str) -> float:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from mci.core.sampling_params import SamplingParams
+    from mci.errors import InvalidParameter
     from mci.generate import generate
     from mci.models.loader import load_model
+    from mci.request_front import RequestFront
     from mci.tokenizer import TextTokenizer
 
     start = time.perf_counter()
@@ -65,12 +68,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tokenizer.encode(args.prompt)
-    limit = model.cfg.max_position_embeddings
-    if len(prompt_ids) + args.max_new_tokens > limit:
-        raise UserError(
-            f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens "
-            f"({args.max_new_tokens}) exceeds the context length {limit}"
-        )
+    front = RequestFront(tokenizer, model.cfg.vocab_size, model.cfg.max_position_embeddings)
+    try:
+        front.check(prompt_ids, SamplingParams(max_new_tokens=args.max_new_tokens))
+    except InvalidParameter as exc:
+        raise exc.renamed({"max_new_tokens": "--max-new-tokens"}) from None
     stops = () if args.ignore_eos else tuple(model.cfg.eos_token_ids)
     result = generate(
         model,

@@ -49,7 +49,7 @@ def run_engine(engine: Engine, prompts, out_len: int) -> dict:
             finished.append(out)
 
     for i, p in enumerate(prompts):
-        engine.submit_ids(p, params, sink, f"b{i}")
+        engine.add_request(p, params, sink, f"b{i}")
     with cond:
         engine.run_until(lambda: len(finished) == len(prompts), cond)
     total = time.perf_counter() - start

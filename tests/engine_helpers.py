@@ -6,7 +6,7 @@ import dataclasses
 
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
-from mci.engine import build_scheduler
+from mci.engine_assembly import build_engine_core
 from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
 
 
@@ -17,7 +17,7 @@ def make_scheduler(model, tokenizer, path, *, max_total_tokens=4096, radix=True,
         scheduler=dataclasses.replace(SchedulerConfig(), **sched),
         check_integrity=True,
     )
-    return build_scheduler(config, model, tokenizer)
+    return build_engine_core(config, model, tokenizer)
 
 
 def drive(scheduler, arrivals: dict[int, list[Request]], max_steps: int = 10_000) -> dict:

@@ -173,6 +173,34 @@ def test_rejected_fields_are_400_naming_them(server, path, body, param, words):
     assert words.lower() in err["message"].lower(), err["message"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param", "limit_word"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 99_999}, "max_tokens", "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 99_999},
+            "max_tokens",
+            "max_tokens",
+        ),
+        (
+            "/generate",
+            {"text": "hi", "sampling_params": {"max_new_tokens": 99_999}},
+            "max_new_tokens",
+            "max_new_tokens",
+        ),
+        ("/v1/completions", {"prompt": [1, 2], "min_tokens": -1}, "min_tokens", "min_tokens"),
+    ],
+)
+def test_engine_rules_are_reported_under_each_apis_names(server, path, body, param, limit_word):
+    """One rule (RequestFront / SamplingParams), each API's name for the field."""
+    err = _post(server, path, body).json()["error"]
+    assert err["param"] == param and err["message"].startswith(("prompt (", f"{limit_word} ")), err
+    assert limit_word in err["message"]
+    if param != "min_tokens":
+        assert err["code"] == "context_length_exceeded"
+
+
 def test_fields_that_cannot_change_output_are_accepted(client):
     out = client.chat.completions.create(
         model=MODEL,

@@ -4,6 +4,10 @@ The one place that moves slots between the pool, the radix tree and requests. In
 (checked by `check_integrity`): each slot is free, owned by the tree, or owned by exactly one
 request (`request.own_slots`); a request holds a lock on `last_node`, which keeps its first
 `cached_len` slots (the tree's) alive.
+
+Ownership of a request's KV fields (`slots`, `num_slots`, `cached_len`, `last_node`, and the
+`num_computed_tokens` that `match` sets) lives here: `release` resets everything `match` and
+`allocate` set, so a released request is exactly as it was before admission, less its outputs.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ class KVCacheManager:
 
     def match(self, request: Request) -> None:
         """Attach the longest cached prefix to a request that holds no slots (admission)."""
-        assert request.num_slots == 0 and request.last_node is None
+        if request.num_slots or request.last_node is not None:
+            raise RuntimeError(f"{request.request_id} already holds KV slots")
         if self.radix is None:
             return
         slots, node = self.radix.match_prefix(self._matchable(request))
@@ -78,7 +83,8 @@ class KVCacheManager:
         present = self.radix.insert(tokens, request.slots[:n])
         self.pool.free(request.slots[request.cached_len : present])
         slots, node = self.radix.match_prefix(tokens)
-        assert len(slots) == n, "radix cache lost a prefix it just inserted"
+        if len(slots) != n:
+            raise AssertionError("radix cache lost a prefix it just inserted")
         request.slots[:n] = slots
         self.radix.inc_lock(node)
         if request.last_node is not None:
@@ -87,7 +93,8 @@ class KVCacheManager:
         request.cached_len = n
 
     def release(self, request: Request) -> None:
-        """Give back everything the request holds (finish, abort or preemption).
+        """Give back everything the request holds (finish, abort or preemption) and reset its
+        KV accounting: it computes from position 0 again if it is ever rescheduled.
 
         Computed tokens stay in the tree (unlocked, evictable) when the cache is on.
         """
@@ -97,7 +104,7 @@ class KVCacheManager:
         if self.radix is not None and request.last_node is not None:
             self.radix.dec_lock(request.last_node)
         request.last_node = None
-        request.cached_len = request.num_slots = 0
+        request.cached_len = request.num_slots = request.num_computed_tokens = 0
 
     def check_integrity(self, requests: Iterable[Request]) -> None:
         """Assert every slot is free, the tree's, or exactly one request's."""

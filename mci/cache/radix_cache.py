@@ -170,14 +170,26 @@ class RadixCache:
         return [n.slots for n in self._nodes()]
 
     def check_invariants(self) -> None:
-        """Assert the accounting invariants of the module docstring."""
+        """Raise AssertionError unless the accounting invariants of the module docstring hold
+        (explicit raises: the check must hold under `python -O` too)."""
         total = evictable = 0
         for node in self._nodes():
-            assert len(node.key) == len(node.slots) > 0, "edge key/slots length mismatch"
-            assert node.lock_ref >= 0
-            assert node.parent.children[node.key[0]] is node
             total += len(node.key)
             evictable += len(node.key) if node.lock_ref == 0 else 0
-            assert node.lock_ref <= node.parent.lock_ref or node.parent is self.root
-        assert total == self.total_tokens, (total, self.total_tokens)
-        assert evictable == self.evictable_tokens, (evictable, self.evictable_tokens)
+            problems = [
+                (len(node.key) == len(node.slots) > 0, "edge key/slots length mismatch"),
+                (node.lock_ref >= 0, f"negative lock count {node.lock_ref}"),
+                (node.parent.children[node.key[0]] is node, "node missing from its parent"),
+                (
+                    node.lock_ref <= node.parent.lock_ref or node.parent is self.root,
+                    "a node holds more locks than its parent",
+                ),
+            ]
+            for ok, message in problems:
+                if not ok:
+                    raise AssertionError(f"radix tree: {message}")
+        if total != self.total_tokens or evictable != self.evictable_tokens:
+            raise AssertionError(
+                f"radix tree: counted {total} tokens ({evictable} evictable), "
+                f"recorded {self.total_tokens} ({self.evictable_tokens})"
+            )

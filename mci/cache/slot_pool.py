@@ -31,10 +31,6 @@ class SlotPool:
         self._free = torch.arange(num_slots - 1, -1, -1, dtype=torch.long, device=device)
         self.num_free = num_slots
 
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - self.num_free
-
     def alloc(self, n: int) -> torch.Tensor:
         """Take `n` free slots; returns a new [n] int64 tensor."""
         if n > self.num_free:

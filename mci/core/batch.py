@@ -1,4 +1,13 @@
-"""The scheduler's plan for one step (plain Python; the runner turns it into tensors)."""
+"""The two halves of the runner seam: the scheduler's plan for one step (plain Python) and
+what the runner hands back (sampled tokens, logprobs).
+
+    Scheduler.schedule() -> ScheduledBatch -> ModelRunner.execute() -> SampleResult
+                                   └──────────── Scheduler.update(batch, result) ┘
+
+Everything the runner needs to know about an item (where its chunk starts, whether it
+samples, which prompt positions it scores) is fixed when the item is planned, so the batch
+means the same thing before and after the request's accounting moves.
+"""
 
 from __future__ import annotations
 
@@ -9,45 +18,69 @@ from mci.core.request import Request
 
 @dataclass(frozen=True)
 class ScheduledItem:
-    """Compute `num_new` tokens of `request` (positions num_computed .. num_computed+num_new-1);
-    `sample` when they are all its remaining known tokens, so the step yields its next token."""
+    """Compute positions `start .. start + num_new - 1` of `request` this step.
+
+    `sample`: they are all its remaining known tokens and it wants output, so the step yields
+    its next token. `scored_positions`: positions of the chunk whose logits score the next
+    prompt token (prompt logprobs).
+    """
 
     request: Request
     num_new: int
+    start: int
+    sample: bool
+    scored_positions: range
 
-    @property
-    def sample(self) -> bool:
-        req = self.request
-        return (
-            req.num_computed_tokens + self.num_new == req.num_tokens
-            and req.params.max_new_tokens > 0
-        )
+    @classmethod
+    def plan(cls, request: Request, num_new: int) -> ScheduledItem:
+        """The item for `num_new` more tokens of `request`, read from its state right now."""
+        start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens and request.params.max_new_tokens > 0
+        return cls(request, num_new, start, sample, _scored_positions(request, start, num_new))
 
-    @property
-    def scored_positions(self) -> range:
-        """Positions of this chunk whose logits score the next prompt token (prompt logprobs).
 
-        Position j scores prompt token j + 1; token k's score is due once the k - 1 before it
-        are recorded, so a chunk recomputed after preemption never scores a token twice.
-        """
-        req = self.request
-        if req.prompt_logprobs is None:
-            return range(0)
-        start = max(req.num_computed_tokens, len(req.prompt_logprobs) - 1)
-        end = min(req.num_computed_tokens + self.num_new, req.num_prompt_tokens - 1)
-        return range(start, max(start, end))
+def _scored_positions(request: Request, start: int, num_new: int) -> range:
+    """Position j scores prompt token j + 1; token k's score is due once the k - 1 before it
+    are recorded, so a chunk recomputed after preemption never scores a token twice."""
+    if request.prompt_logprobs is None:
+        return range(0)
+    first = max(start, len(request.prompt_logprobs) - 1)
+    end = min(start + num_new, request.num_prompt_tokens - 1)
+    return range(first, max(first, end))
 
 
 @dataclass
 class ScheduledBatch:
-    """All work of one step, plus what the scheduler did to make room."""
+    """All work of one step, in the order the runner lays out its tokens."""
 
     items: list[ScheduledItem] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
 
     @property
-    def num_tokens(self) -> int:
-        return sum(item.num_new for item in self.items)
+    def sampling_items(self) -> list[ScheduledItem]:
+        return [item for item in self.items if item.sample]
+
+    @property
+    def scoring_items(self) -> list[ScheduledItem]:
+        return [item for item in self.items if item.scored_positions]
+
+    def drop(self, request: Request) -> None:
+        """Remove the request's item (it was preempted while the batch was being built)."""
+        self.items = [item for item in self.items if item.request is not request]
 
     def __bool__(self) -> bool:
         return bool(self.items)
+
+
+# (logprob of the chosen token, [(token id, logprob), ...] best alternatives)
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """What one step produced. `token_ids`/`logprobs`: one entry per sampling item, in batch
+    order (`logprobs[i]` is None unless that request asked for them). `prompt_logprobs`: one
+    list per scoring item, in batch order, an entry per position of its `scored_positions`."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)

@@ -26,3 +26,9 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     queue_time_s: float | None = None  # arrival -> first scheduled
     error: str | None = None  # set when the engine failed the request
+
+    @classmethod
+    def aborted(cls, request_id: str, error: str) -> RequestOutput:
+        """The final output of a request that ended without the engine finishing it (engine
+        shut down or died, request rejected)."""
+        return cls(request_id, [], "", finished=True, finish_reason="abort", error=error)

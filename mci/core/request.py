@@ -67,8 +67,6 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
 
     def __post_init__(self):
         self.token_ids: list[int] = list(self.prompt_ids) + list(self.output_ids)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mci.errors import InvalidParameter
 
@@ -40,7 +40,6 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token (None = off)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -92,16 +91,18 @@ class SamplingParams:
         ]
         for ok, param, message in checks:
             if not ok:
-                raise InvalidParameter(f"{param} {message}", param)
+                raise InvalidParameter.named(param, "{param} " + message)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named here must exist in the model: checked before a request is accepted,
         since an out-of-range id would fail the whole batch's step."""
         if any(t >= vocab_size for t in self.stop_token_ids):
-            raise InvalidParameter(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+            raise InvalidParameter.named(
+                "stop_token_ids", f"{{param}} must be in [0, {vocab_size})"
+            )
         if any(t >= vocab_size for t, _ in self.logit_bias):
-            raise InvalidParameter(
-                f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias"
+            raise InvalidParameter.named(
+                "logit_bias", f"{{param}} token ids must be in [0, {vocab_size})"
             )
 
     @property

@@ -48,10 +48,6 @@ class AttentionMetadata:
     sum_query_times_context: int  # sum over b of q_b * L_b: attention score count per head
     sum_context: int  # sum over b of L_b: latents a non-absorbed path must expand
 
-    @property
-    def num_tokens(self) -> int:
-        return self.sum_query_len
-
     @staticmethod
     def build(chunks: list[SequenceChunk], device: torch.device | str = "cpu") -> AttentionMetadata:
         """Build the step's tensors from per-sequence slot tensors (Python work is O(B))."""

@@ -56,11 +56,25 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @property
     def num_cache_layers(self) -> int:
+        """Latent rows per token with the MTP modules' rows (see `allocate_kv_cache`)."""
         return self.cfg.num_hidden_layers + len(self.mtp)
 
-    def allocate_kv_cache(self, num_slots: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Zeroed latent cache for `num_slots` tokens: [num_cache_layers, num_slots, latent_dim]."""
-        shape = (self.num_cache_layers, num_slots, self.cfg.kv_latent_dim)
+    def _cache_rows(self, with_mtp: bool) -> int:
+        return self.num_cache_layers if with_mtp else self.cfg.num_hidden_layers
+
+    def kv_bytes_per_token(self, with_mtp: bool = True) -> int:
+        return self.cfg.kv_latent_dim * self._cache_rows(with_mtp) * self.dtype.itemsize
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def allocate_kv_cache(
+        self, num_slots: int, device: torch.device | str = "cpu", with_mtp: bool = True
+    ) -> torch.Tensor:
+        """Zeroed latent cache for `num_slots` tokens: [num_cache_layers, num_slots, latent_dim].
+
+        `with_mtp=False` leaves out the MTP modules' rows (an engine that never runs them)."""
+        shape = (self._cache_rows(with_mtp), num_slots, self.cfg.kv_latent_dim)
         return torch.zeros(shape, dtype=self.dtype, device=device)
 
     def rope_for(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

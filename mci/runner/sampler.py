@@ -13,24 +13,15 @@ and OpenAI report them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from mci.core.batch import SampleResult, ScheduledItem, TokenLogprob
 from mci.core.request import Request
-
-
-@dataclass(frozen=True)
-class SampleResult:
-    """Sampled token per row, and (token logprob, top alternatives) where requested."""
-
-    token_ids: list[int]
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
 def token_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
-) -> list[tuple[float, list[tuple[int, float]]]]:
+) -> list[TokenLogprob]:
     """(logprob of token_ids[i], its `num_top` best alternatives) for each row of `logprobs`
     [N, vocab] (already log-softmaxed); the one shape for output and prompt logprobs."""
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
@@ -119,3 +110,17 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...]) 
                 row = raw_lp[i : i + 1]
                 logprobs[i] = token_logprobs(row, tokens[i : i + 1], r.params.logprobs)[0]
     return SampleResult(token_list, logprobs)
+
+
+def score_prompts(logits: torch.Tensor, items: list[ScheduledItem]) -> list[list[TokenLogprob]]:
+    """Prompt logprobs of each scoring item: `logits` holds their `scored_positions` rows back
+    to back; position j's row scores prompt token j + 1."""
+    scores, row = [], 0
+    for item in items:
+        positions, req = item.scored_positions, item.request
+        rows = logits[row : row + len(positions)]
+        row += len(positions)
+        targets = torch.tensor(req.prompt_ids[positions.start + 1 : positions.stop + 1])
+        lp = torch.log_softmax(rows, dim=-1)
+        scores.append(token_logprobs(lp, targets, req.params.prompt_logprobs))
+    return scores

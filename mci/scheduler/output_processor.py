@@ -8,7 +8,6 @@ the concatenated deltas always equal the final text.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from mci.core.outputs import RequestOutput
@@ -45,8 +44,6 @@ class OutputProcessor:
         req.append_token(token)
         if logprob is not None:
             req.logprobs.append(logprob)
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
         if token in p.stop_token_ids:
             self._finish(req, "stop", token)
         elif token in self._eos_ids and not p.ignore_eos:
@@ -76,7 +73,6 @@ class OutputProcessor:
     def on_abort(self, req: Request, reason: str = "abort", error: str | None = None):
         req.status = RequestStatus.ABORTED
         req.finish_reason = reason
-        req.finish_time = time.monotonic()
         out = self._output(req, [])
         out.error = error
         return out
@@ -84,7 +80,6 @@ class OutputProcessor:
     def _finish(self, req: Request, reason: str, stop_reason) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
-        req.finish_time = time.monotonic()
         state = self._states[req.request_id]
         if not (reason == "stop" and isinstance(stop_reason, str)):
             state.text += state.detokenizer.flush()

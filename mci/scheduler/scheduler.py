@@ -1,12 +1,14 @@
-"""The scheduler loop: schedule -> run -> process, one batch per step.
+"""The scheduler: request queues, the batching policy, and applying a step's results.
 
-Every step builds one batch that mixes the running requests' work (one token for a decode,
-the next chunk for a request still prefilling) with newly admitted requests, under a token
-budget for prompt work (`max_prefill_tokens`, `chunked_prefill_size`) and
+`schedule()` builds one batch per step that mixes the running requests' work (one token for a
+decode, the next chunk for a request still prefilling) with newly admitted requests, under a
+token budget for prompt work (`max_prefill_tokens`, `chunked_prefill_size`) and
 `max_running_requests`. KV slots for the step are allocated before the forward; when they run
 out, unlocked prefix cache is evicted first, then the lowest-priority (then newest) running
-request is preempted: its slots are freed (its computed prefix stays in the radix tree) and it
-is requeued to be recomputed later, keeping the tokens it already generated.
+request is preempted: its slots are freed (its computed prefix stays in the radix tree), any
+budget its chunk took goes back to the step, and it is requeued to be recomputed later,
+keeping the tokens it already generated. `update(batch, result)` applies what the runner
+produced. The scheduler never touches the model: a fake `SampleResult` drives it in tests.
 
 Invariants: a request is in exactly one of `waiting`, `running`, or finished; every request
 that enters via `add_request` leaves with exactly one final output (finished or aborted); the
@@ -19,15 +21,11 @@ import logging
 import time
 from collections import Counter
 
-import torch
-
 from mci.cache.kv_manager import KVCacheManager
-from mci.core.batch import ScheduledBatch, ScheduledItem
+from mci.core.batch import SampleResult, ScheduledBatch, ScheduledItem
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request, RequestStatus
 from mci.engine_config import SchedulerConfig
-from mci.runner.model_runner import ModelRunner
-from mci.runner.sampler import sample, token_logprobs
 from mci.scheduler.output_processor import OutputProcessor
 
 log = logging.getLogger("mci")
@@ -39,23 +37,14 @@ SHARED_PREFIX_DEFER_TOKENS = 32
 
 
 class Scheduler:
-    """Owns the request queues and KV memory; `step()` advances every runnable request."""
+    """Owns the request queues and their KV memory; plans steps and applies their results."""
 
     def __init__(
-        self,
-        config: SchedulerConfig,
-        kv: KVCacheManager,
-        runner: ModelRunner,
-        outputs: OutputProcessor,
-        eos_ids: tuple[int, ...],
-        check_integrity: bool = False,
+        self, config: SchedulerConfig, kv: KVCacheManager, output_processor: OutputProcessor
     ):
         self.config = config
         self.kv = kv
-        self.runner = runner
-        self.outputs = outputs
-        self.eos_ids = eos_ids
-        self.check_integrity = check_integrity
+        self.output_processor = output_processor
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.counters: Counter[str] = Counter()  # transitions and token counts, for metrics
@@ -63,7 +52,7 @@ class Scheduler:
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> RequestOutput | None:
         """Queue a request; returns an immediate abort output if it can never fit."""
-        self.outputs.add(req)
+        self.output_processor.add(req)
         self.counters["requests_added"] += 1
         if req.max_total_tokens > self.kv.pool.num_slots:
             return self._abort(
@@ -92,61 +81,52 @@ class Scheduler:
         return self.counters["prefix_cache_hits"] / queries if queries else 0.0
 
     # ---- the step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        outputs = self._expire_deadlines()
-        batch = self.schedule()
-        if batch:
-            logits = self.runner.execute(batch)
-            outputs += self.update(batch, logits)
-        if self.check_integrity:
-            self.kv.check_integrity(self.running)
-        return outputs
-
     def schedule(self) -> ScheduledBatch:
         """Decide this step's work and allocate its KV slots."""
         batch = ScheduledBatch()
-        budget = self.config.max_prefill_tokens
+        budget = _Budget(self.config.max_prefill_tokens)
         chunk = self.config.chunk_limit or 1 << 62
         for req in sorted(self.running, key=self._rank):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = req.num_uncomputed
-            if n > 1:  # still prefilling: takes from the prompt budget
-                n = min(n, chunk, budget)
+            prefilling = n > 1  # prompt work takes from the budget; a decode token does not
+            if prefilling:
+                n = min(n, chunk, budget.left)
                 if n <= 0:
                     continue
-            if not self._allocate_or_preempt(req, n, batch):
+            if not self._allocate_or_preempt(req, n, batch, budget):
                 continue
-            batch.items.append(ScheduledItem(req, n))
-            if req.num_uncomputed > 1:
-                budget -= n
+            batch.items.append(ScheduledItem.plan(req, n))
+            if prefilling:
+                budget.charge(req, n)
         self._admit(batch, budget, chunk)
         return batch
 
-    def _allocate_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
+    def _allocate_or_preempt(
+        self, req: Request, n: int, batch: ScheduledBatch, budget: _Budget
+    ) -> bool:
         while not self.kv.allocate(req, n):
             victim = max(self.running, key=self._rank)
-            self._preempt(victim, batch)
+            self._preempt(victim, batch, budget)
             if victim is req:
                 return False
         return True
 
-    def _admit(self, batch: ScheduledBatch, budget: int, chunk: int) -> None:
+    def _admit(self, batch: ScheduledBatch, budget: _Budget, chunk: int) -> None:
         cfg = self.config
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         for req in self._admission_order():
-            if len(self.running) >= cfg.max_running_requests or budget <= 0:
+            if len(self.running) >= cfg.max_running_requests or budget.left <= 0:
                 break
             self.kv.match(req)
             if self._shares_prefill_in_flight(req, prefilling):
                 self.kv.release(req)
-                req.num_computed_tokens = 0
                 continue
-            n = min(req.num_uncomputed, chunk, budget)
+            n = min(req.num_uncomputed, chunk, budget.left)
             reserve = cfg.decode_reserve_tokens * len(self.running)
             if self.kv.available < n + reserve:
                 self.kv.release(req)
-                req.num_computed_tokens = 0
                 break  # keep priority order: nobody behind it jumps the queue
             if req.num_preemptions == 0:
                 req.first_scheduled_time = time.monotonic()
@@ -159,43 +139,33 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            batch.items.append(ScheduledItem(req, n))
-            budget -= n
+            batch.items.append(ScheduledItem.plan(req, n))
+            budget.charge(req, n)
             prefilling.append(req)
 
-    def update(self, batch: ScheduledBatch, logits) -> list[RequestOutput]:
-        """Advance token accounting, record prompt logprobs, sample, apply stop rules, release
-        finished requests. `logits` rows follow `ModelRunner.execute`'s layout."""
-        scored, sample_rows, row = [], [], 0
-        for item in batch.items:  # before accounting moves: both read live request state
-            positions = item.scored_positions
-            if positions:
-                scored.append((item.request, positions, logits[row : row + len(positions)]))
-            row += len(positions)
-            if item.sample:
-                sample_rows.append(row)
-                row += 1
-        sampling = [item for item in batch.items if item.sample]
-        sample_logits = logits[sample_rows] if scored else logits  # no copy on the usual step
-        result = sample(sample_logits, [item.request for item in sampling], self.eos_ids)
-        for req, positions, rows in scored:
-            targets = torch.tensor(req.prompt_ids[positions.start + 1 : positions.stop + 1])
-            lp = torch.log_softmax(rows, dim=-1)
-            req.prompt_logprobs += token_logprobs(lp, targets, req.params.prompt_logprobs)
+    def update(self, batch: ScheduledBatch, result: SampleResult) -> list[RequestOutput]:
+        """Apply a step's results: record prompt logprobs, advance token accounting (a prompt
+        just completed goes into the prefix cache), append sampled tokens with their stop
+        rules, and release finished requests. `result` follows `SampleResult`'s layout."""
+        for item, scores in zip(batch.scoring_items, result.prompt_logprobs, strict=True):
+            item.request.prompt_logprobs += scores
         outputs = []
         for item in batch.items:
             req = item.request
-            prompt_done_before = req.num_computed_tokens >= req.num_prompt_tokens
             req.num_computed_tokens += item.num_new
-            if not prompt_done_before and req.num_computed_tokens >= req.num_prompt_tokens:
+            # prompt positions computed (recomputation after preemption included)
+            self.counters["prompt_tokens"] += max(
+                0, min(req.num_prompt_tokens, req.num_computed_tokens) - item.start
+            )
+            if item.start < req.num_prompt_tokens <= req.num_computed_tokens:
                 self.kv.cache_prefix(req)  # share the prompt while the request decodes
                 if req.params.max_new_tokens == 0:  # scoring only: done with its prompt
-                    outputs.append(self.outputs.on_prompt_only(req))
+                    outputs.append(self.output_processor.on_prompt_only(req))
                     self._retire(req)
-        self.counters["prompt_tokens"] += sum(i.num_new for i in batch.items if not i.sample)
+        sampling = batch.sampling_items
         for item, token, logprob in zip(sampling, result.token_ids, result.logprobs, strict=True):
             req = item.request
-            outputs.append(self.outputs.on_token(req, token, logprob))
+            outputs.append(self.output_processor.on_token(req, token, logprob))
             self.counters["generation_tokens"] += 1
             if req.is_finished:
                 self._retire(req)
@@ -235,15 +205,14 @@ class Scheduler:
                 return True
         return False
 
-    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
-        batch.items = [item for item in batch.items if item.request is not req]
+    def _preempt(self, req: Request, batch: ScheduledBatch, budget: _Budget) -> None:
+        batch.drop(req)
+        budget.give_back(req)
         self.kv.release(req)
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.running.remove(req)
         self.waiting.append(req)
-        batch.preempted.append(req)
         self.counters["preemptions"] += 1
         log.debug("preempted %s (%d tokens)", req.request_id, req.num_tokens)
 
@@ -254,9 +223,9 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.release(req)
         self.counters["aborted"] += 1
-        return self.outputs.on_abort(req, "abort", error)
+        return self.output_processor.on_abort(req, "abort", error)
 
-    def _expire_deadlines(self) -> list[RequestOutput]:
+    def expire_deadlines(self) -> list[RequestOutput]:
         now = time.monotonic()
         expired = [
             r for r in self.running + self.waiting if r.deadline is not None and r.deadline < now
@@ -266,3 +235,19 @@ class Scheduler:
     def abort_all(self, error: str) -> list[RequestOutput]:
         """Fail every request (engine shutdown or a failed step)."""
         return [self._abort(r, error) for r in list(self.running) + list(self.waiting)]
+
+
+class _Budget:
+    """The step's prompt-token budget, and what each request's chunk took from it (a
+    preempted request gives its share back, as vLLM's scheduler does)."""
+
+    def __init__(self, tokens: int):
+        self.left = tokens
+        self._charged: dict[Request, int] = {}
+
+    def charge(self, req: Request, n: int) -> None:
+        self.left -= n
+        self._charged[req] = n
+
+    def give_back(self, req: Request) -> None:
+        self.left += self._charged.pop(req, 0)

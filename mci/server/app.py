@@ -11,22 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mci import __version__
-from mci.config import ModelConfig
 from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
-from mci.engine_config import ServerConfig
 from mci.server import protocol
-from mci.server.engine_client import EngineClient
 from mci.server.errors import HTTPError, install_error_handlers
 from mci.server.guard import GuardMiddleware
-from mci.server.metrics import ServerMetrics
 from mci.server.openai_types import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -39,38 +34,17 @@ from mci.server.openai_types import (
     ModelCard,
     ModelList,
 )
+from mci.server.state import ServerState
 from mci.server.streaming import (
-    native_finish_reason,
+    StreamContext,
     stream_chat,
     stream_completion,
     stream_native,
     streaming_response,
 )
 from mci.server.submission import Submission
-from mci.tokenizer import TextTokenizer
 
 log = logging.getLogger("mci")
-
-
-@dataclass
-class ServerState:
-    """What the handlers share: the engine handle, tokenizer, limits, metrics, drain flag."""
-
-    client: EngineClient
-    tokenizer: TextTokenizer
-    model_config: ModelConfig
-    config: ServerConfig
-    model_name: str
-    max_running: int
-    metrics: ServerMetrics = field(init=False)
-    draining: bool = False
-
-    def __post_init__(self):
-        self.metrics = ServerMetrics(lambda: self.client.stats)
-
-    @property
-    def context_length(self) -> int:
-        return self.config.context_length or self.model_config.max_position_embeddings
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -103,31 +77,14 @@ def _admit(state: ServerState, num_samples: int) -> None:
         )
 
 
-def _check_length(state: ServerState, ids: list[int], params: SamplingParams) -> None:
-    if len(ids) + params.max_new_tokens > state.context_length:
-        raise HTTPError(
-            400,
-            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_new_tokens})"
-            f" exceeds the context length {state.context_length}",
-            "invalid_request_error",
-            "max_tokens",
-            "context_length_exceeded",
-        )
-
-
-def _encode(state: ServerState, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        ids = state.tokenizer.encode(prompt)
-    else:
-        ids = list(prompt)
-        vocab = state.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise HTTPError(
-                400, f"token ids must be in [0, {vocab})", "invalid_request_error", "prompt"
-            )
-    if not ids:
-        raise HTTPError(400, "prompt is empty", "invalid_request_error", "prompt")
-    return ids
+def _prompt_ids(state: ServerState, prompts, params: SamplingParams, names) -> list[list[int]]:
+    """Every prompt's ids, each checked with its completion against the context length, under
+    the endpoint's names for the fields (400s before anything is queued)."""
+    with protocol.reported_as(names):
+        encoded = [state.front.encode(p) for p in prompts]
+        for ids in encoded:
+            state.front.check(ids, params)
+    return encoded
 
 
 _ERRORS = {
@@ -258,39 +215,35 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         _check_model(state, body.model)
         params = protocol.completion_params(body)
-        params.check_vocab(state.model_config.vocab_size)
-        prompts = [(p, _encode(state, p)) for p in protocol.completion_prompts(body)]
-        for _, ids in prompts:
-            _check_length(state, ids, params)
+        texts = protocol.completion_prompts(body)
+        encoded = _prompt_ids(state, texts, params, protocol.COMPLETION_NAMES)
+        prompts = list(zip(texts, encoded, strict=True))
         _admit(state, len(prompts) * params.n)
         rid = protocol.new_id("cmpl")
-        sub = Submission(state, rid, [ids for _, ids in prompts], params, body.priority or 0)
-        echo = bool(body.echo)
+        sub = Submission(state, rid, encoded, params, body.priority or 0)
+        ctx = StreamContext(state, sub, rid, prompts, params, bool(body.echo), _include_usage(body))
         if body.stream:
-            return streaming_response(
-                stream_completion(state, sub, rid, prompts, params, echo, _include_usage(body)),
-                sub,
-            )
+            return streaming_response(stream_completion(ctx), ctx)
         finals = await sub.collect(request)
         results = _group(finals, sub, len(prompts), params.n)
         return protocol.completion_response(
-            state.model_name, state.tokenizer, prompts, results, params, echo, rid
+            state.model_name, state.tokenizer, prompts, results, params, ctx.echo, rid
         )
 
     @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
         params = protocol.chat_params(body)
-        params.check_vocab(state.model_config.vocab_size)
         ids = protocol.chat_prompt_ids(state.tokenizer, body)
-        _check_length(state, ids, params)
+        (ids,) = _prompt_ids(state, [ids], params, protocol.CHAT_NAMES)
         _admit(state, params.n)
         rid = protocol.new_id("chatcmpl")
         sub = Submission(state, rid, [ids], params, body.priority or 0)
         if body.stream:
-            return streaming_response(
-                stream_chat(state, sub, rid, len(ids), _include_usage(body)), sub
+            ctx = StreamContext(
+                state, sub, rid, [(None, ids)], params, include_usage=_include_usage(body)
             )
+            return streaming_response(stream_chat(ctx), ctx)
         finals = await sub.collect(request)
         outs = _group(finals, sub, 1, params.n)[0]
         return protocol.chat_response(state.model_name, state.tokenizer, len(ids), outs, rid)
@@ -302,22 +255,20 @@ def build_app(state: ServerState) -> FastAPI:
     async def generate(body: GenerateRequest, request: Request):
         """SGLang's native API: text or input_ids, sampling_params, stream."""
         params = protocol.native_params(body.sampling_params)
-        params.check_vocab(state.model_config.vocab_size)
         prompts = protocol.generate_prompts(body)
         single = isinstance(body.text, str) or (
             body.input_ids is not None and isinstance(body.input_ids[0], int)
         )
-        encoded = [_encode(state, p) for p in prompts]
-        for ids in encoded:
-            _check_length(state, ids, params)
+        encoded = _prompt_ids(state, prompts, params, protocol.NATIVE_NAMES)
         _admit(state, len(prompts) * params.n)
         rid = protocol.new_id("gen")
         sub = Submission(state, rid, encoded, params, body.priority or 0)
         if body.stream:
-            return streaming_response(stream_native(sub, encoded), sub)
+            ctx = StreamContext(state, sub, rid, list(zip(prompts, encoded)), params)
+            return streaming_response(stream_native(ctx), ctx)
         finals = await sub.collect(request)
         results = [
-            _native(out, len(encoded[i // params.n]))
+            protocol.native_response(out, len(encoded[i // params.n]))
             for i, out in enumerate(
                 o for grp in _group(finals, sub, len(prompts), params.n) for o in grp
             )
@@ -352,17 +303,3 @@ def _include_usage(body) -> bool:
 def _group(finals: dict[str, RequestOutput], sub: Submission, num_prompts: int, n: int):
     ordered = sorted(finals.values(), key=lambda o: sub.index[o.request_id])
     return [ordered[k * n : (k + 1) * n] for k in range(num_prompts)]
-
-
-def _native(out: RequestOutput, prompt_len: int) -> dict:
-    return {
-        "text": out.text,
-        "output_ids": out.output_token_ids,
-        "meta_info": {
-            "id": out.request_id,
-            "finish_reason": native_finish_reason(out),
-            "prompt_tokens": prompt_len,
-            "completion_tokens": len(out.output_token_ids),
-            "cached_tokens": out.num_cached_tokens,
-        },
-    }

@@ -18,6 +18,8 @@ from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
 from mci.engine_config import EngineConfig
 from mci.errors import UserError
+from mci.request_front import sample_ids
+from mci.server import messages
 from mci.server.engine_process import engine_main
 
 log = logging.getLogger("mci")
@@ -42,10 +44,10 @@ class EngineClient:
             self.process.kill()
             raise UserError("engine did not start in time")
         msg = self._conn.recv()
-        if msg[0] == "failed":
+        if isinstance(msg, messages.Failed):
             self.process.join(5)
-            raise UserError(msg[1])
-        self.info: dict = msg[1]
+            raise UserError(msg.message)
+        self.info: dict = msg.info
         self.stats: dict = dict(self.info)
         self.alive = True
         self._closing = False
@@ -57,7 +59,7 @@ class EngineClient:
         self._reader.start()
 
     # ---- sending ------------------------------------------------------------------------------
-    def _send(self, msg) -> None:
+    def _send(self, msg: object) -> None:
         if not self.alive:
             raise EngineDied("the engine process is not running")
         try:
@@ -78,18 +80,18 @@ class EngineClient:
     ) -> list[tuple[str, asyncio.Queue]]:
         """Queue a request; returns (sample id, output queue) per sample (n of them).
 
-        Sample ids follow the engine's rule: `rid` for n = 1, else `rid-0 .. rid-(n-1)`.
-        Pass `queue` to receive every sample's outputs on one queue.
+        Sample ids follow the engine's rule (`sample_ids`). Pass `queue` to receive every
+        sample's outputs on one queue.
         """
         loop = asyncio.get_running_loop()
-        ids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        ids = sample_ids(rid, params.n)
         out = []
         for sid in ids:
             q: asyncio.Queue = queue or asyncio.Queue()
             self._queues[sid] = (loop, q)
             out.append((sid, q))
         try:
-            self._send(("add", rid, prompt_ids, params, priority, timeout_s))
+            self._send(messages.AddRequest(rid, prompt_ids, params, priority, timeout_s))
         except EngineDied:
             for sid in ids:
                 self._queues.pop(sid, None)
@@ -99,7 +101,7 @@ class EngineClient:
     def abort(self, sample_id: str) -> None:
         if self.alive and sample_id in self._queues:
             try:
-                self._send(("abort", sample_id))
+                self._send(messages.AbortRequest(sample_id))
             except EngineDied:
                 pass
 
@@ -109,7 +111,7 @@ class EngineClient:
         token = next(self._tokens)
         fut = loop.create_future()
         self._state_waiters[token] = (loop, fut)
-        self._send(("state", token))
+        self._send(messages.StateQuery(token))
         try:
             return await asyncio.wait_for(fut, timeout_s)
         finally:
@@ -127,24 +129,20 @@ class EngineClient:
             except (EOFError, OSError):
                 self._mark_dead()
                 return
-            kind = msg[0]
-            if kind == "outputs":
-                self.stats = msg[2]
-                for out in msg[1]:
+            if isinstance(msg, messages.Outputs):
+                self.stats = msg.stats
+                for out in msg.outputs:
                     self._deliver(out)
-            elif kind == "rejected":
-                _, rid, message = msg
-                for sid in [s for s in self._queues if s == rid or s.startswith(rid + "-")]:
-                    self._deliver(
-                        RequestOutput(
-                            sid, [], "", finished=True, finish_reason="abort", error=message
-                        )
-                    )
-            elif kind == "state":
-                entry = self._state_waiters.get(msg[1])
+            elif isinstance(msg, messages.Rejected):
+                for sid in msg.sample_ids:
+                    self._deliver(RequestOutput.aborted(sid, msg.message))
+            elif isinstance(msg, messages.StateReply):
+                entry = self._state_waiters.get(msg.token)
                 if entry:
                     loop, fut = entry
-                    loop.call_soon_threadsafe(lambda f=fut, s=msg[2]: f.done() or f.set_result(s))
+                    loop.call_soon_threadsafe(
+                        lambda f=fut, s=msg.state: f.done() or f.set_result(s)
+                    )
 
     def _deliver(self, out: RequestOutput) -> None:
         entry = self._queues.get(out.request_id)
@@ -169,17 +167,13 @@ class EngineClient:
                 len(self._queues),
             )
         for sid in list(self._queues):
-            self._deliver(
-                RequestOutput(
-                    sid, [], "", finished=True, finish_reason="abort", error="engine process died"
-                )
-            )
+            self._deliver(RequestOutput.aborted(sid, "engine process died"))
 
     def shutdown(self, timeout_s: float = 10) -> None:
         self._closing = True
         if self.alive:
             try:
-                self._send(("shutdown", None))
+                self._send(messages.Shutdown())
             except EngineDied:
                 pass
         self.process.join(timeout_s)

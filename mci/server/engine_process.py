@@ -1,13 +1,9 @@
 """The engine process: scheduler and model in the main thread of their own process.
 
 The HTTP front end never runs model code, so request parsing and streaming never stall a
-step, and the model loop keeps torch's thread pool on the main thread (see mci.engine).
-Messages over one duplex pipe (our own processes; the pickled objects are our dataclasses):
-
-    front end -> engine:  ("add", rid, prompt_ids, SamplingParams, priority, timeout_s)
-                          ("abort", rid) | ("state", token) | ("shutdown", None)
-    engine -> front end:  ("ready", info) | ("outputs", [RequestOutput], stats)
-                          ("state", token, state) | ("rejected", rid, message)
+step, and the model loop keeps torch's thread pool on the main thread (see mci.engine). The
+same `EngineLoop` as the in-process engine drives it; its commands come from the pipe
+(`PipeInbox`, messages in `server/messages.py`) and its outputs go back in batches.
 
 The engine exits when the pipe closes: a dead front end never leaves an orphan behind.
 """
@@ -18,68 +14,102 @@ import logging
 import os
 import signal
 import sys
+from multiprocessing.connection import Connection
 
-from mci.engine import Engine
+from mci.core.outputs import RequestOutput
+from mci.engine_assembly import EngineParts, assemble
 from mci.engine_config import EngineConfig
+from mci.engine_loop import (
+    IDLE_WAIT_S,
+    AbortRequest,
+    AddRequests,
+    CallBetweenSteps,
+    Command,
+    EngineLoop,
+)
 from mci.errors import UserError
+from mci.request_front import sample_ids
+from mci.server import messages
 
 log = logging.getLogger("mci")
 
 
-def _state(engine: Engine) -> dict:
-    state = engine.stats()
-    try:
-        engine.check_integrity_now()
-        state["integrity_ok"] = True
-    except AssertionError as exc:
-        state["integrity_ok"] = False
-        state["integrity_error"] = str(exc)
-    return state
+class PipeInbox:
+    """Turns pipe messages into loop commands. Owns the outbox every request's outputs go to
+    and the flag that ends the loop (shutdown asked, or the front end gone)."""
+
+    def __init__(self, conn: Connection, parts: EngineParts):
+        self.conn = conn
+        self.parts = parts
+        self.outbox: list[RequestOutput] = []
+        self.stop = False  # the loop ends
+        self.shutdown_asked = False  # ... because the front end asked (it is still listening)
+
+    def take(self, wait: bool) -> list[Command]:
+        commands: list[Command] = []
+        timeout = IDLE_WAIT_S if wait else 0
+        try:
+            while not self.stop and self.conn.poll(timeout):
+                timeout = 0
+                command = self._command(self.conn.recv())
+                if command is not None:
+                    commands.append(command)
+        except (EOFError, OSError):
+            log.info("front end gone; engine exiting")
+            self.stop = True
+        return commands
+
+    def _command(self, msg) -> Command | None:
+        if isinstance(msg, messages.AddRequest):
+            try:
+                reqs = self.parts.front.requests(
+                    msg.request_id, msg.prompt_ids, msg.params, msg.priority, msg.timeout_s
+                )
+            except Exception as exc:  # noqa: BLE001 - a bad request never kills the engine
+                if not isinstance(exc, UserError):
+                    log.exception("rejecting request %s", msg.request_id)
+                rejected = sample_ids(msg.request_id, msg.params.n)
+                self.send(messages.Rejected(rejected, str(exc)))
+                return None
+            return AddRequests(reqs, self.outbox.append)
+        if isinstance(msg, messages.AbortRequest):
+            return AbortRequest(msg.sample_id)
+        if isinstance(msg, messages.StateQuery):  # answered in order with the commands before it
+            core = self.parts.core
+            return CallBetweenSteps(lambda: self.send(messages.StateReply(msg.token, core.state())))
+        if isinstance(msg, messages.Shutdown):
+            self.stop = self.shutdown_asked = True
+            return None
+        raise TypeError(f"unknown message {msg!r}")
+
+    def send(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except (EOFError, OSError):
+            self.stop = True
+
+    def flush(self) -> None:
+        """Send the outputs gathered since the last flush, with fresh stats."""
+        if self.outbox:
+            self.send(messages.Outputs(list(self.outbox), self.parts.core.stats()))
+            self.outbox.clear()  # the sinks hold this list's append
 
 
-def engine_main(config: EngineConfig, conn) -> None:
+def engine_main(config: EngineConfig, conn: Connection) -> None:
     """Entry point of the engine process."""
     logging.basicConfig(level=logging.INFO, format="mci[engine]: %(message)s", stream=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        engine = Engine(config, background=False)
+        parts = assemble(config)
     except UserError as exc:
-        conn.send(("failed", str(exc)))
+        conn.send(messages.Failed(str(exc)))
         return
-    outbox: list = []
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    conn.send(("ready", {"pid": os.getpid(), "weight_bytes": weight_bytes, **engine.stats()}))
-    while True:
-        idle = not engine.scheduler.has_work
-        try:
-            timeout = 0.05 if idle else 0
-            while conn.poll(timeout):
-                timeout = 0
-                msg = conn.recv()
-                kind = msg[0]
-                if kind == "add":
-                    _, rid, ids, params, priority, timeout_s = msg
-                    try:
-                        engine.submit_ids(ids, params, outbox.append, rid, priority, timeout_s)
-                    except Exception as exc:  # noqa: BLE001 - a bad request never kills us
-                        if not isinstance(exc, UserError):
-                            log.exception("rejecting request %s", rid)
-                        conn.send(("rejected", rid, str(exc)))
-                elif kind == "abort":
-                    engine.abort(msg[1])
-                elif kind == "state":
-                    engine.run_once()  # apply queued commands first
-                    conn.send(("state", msg[1], _state(engine)))
-                elif kind == "shutdown":
-                    engine.shutdown()
-                    if outbox:
-                        conn.send(("outputs", outbox, engine.stats()))
-                    return
-            engine.run_once()
-            if outbox:
-                conn.send(("outputs", outbox, engine.stats()))  # pickled now: safe to clear
-                outbox.clear()  # the sinks hold this list's append
-        except (EOFError, OSError, BrokenPipeError):
-            log.info("front end gone; engine exiting")
-            return
+    info = {"pid": os.getpid(), "weight_bytes": parts.model.weight_bytes(), **parts.core.stats()}
+    conn.send(messages.Ready(info))
+    inbox = PipeInbox(conn, parts)
+    loop = EngineLoop(parts.core)
+    loop.run(inbox, lambda: inbox.stop, inbox.flush)
+    if inbox.shutdown_asked:
+        loop.stop("engine shut down")
+        inbox.flush()

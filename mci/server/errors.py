@@ -53,7 +53,9 @@ def install_error_handlers(app: FastAPI) -> None:
     from mci.server.protocol import from_validation_errors
 
     def invalid(exc: InvalidParameter) -> Response:
-        return error_response(HTTPError(400, str(exc), "invalid_request_error", exc.param))
+        return error_response(
+            HTTPError(400, str(exc), "invalid_request_error", exc.param, exc.code)
+        )
 
     @app.exception_handler(HTTPError)
     async def _http_error(_, exc: HTTPError):

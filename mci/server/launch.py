@@ -18,8 +18,9 @@ import uvicorn
 from mci.config import load_config
 from mci.engine_config import EngineConfig, ServerConfig
 from mci.errors import UserError
-from mci.server.app import ServerState, build_app
+from mci.server.app import build_app
 from mci.server.engine_client import EngineClient
+from mci.server.state import ServerState
 from mci.tokenizer import TextTokenizer
 
 log = logging.getLogger("mci")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from pydantic import BaseModel, ValidationError
 
@@ -76,7 +78,21 @@ def parse(model: type[BaseModel], body) -> BaseModel:
 
 
 # ---- requests -> SamplingParams ---------------------------------------------------------------
+# Each API's names for the engine's parameters: an engine error about `max_new_tokens` is
+# reported to an OpenAI client as an error about `max_tokens`.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+COMPLETION_NAMES = {**_OPENAI_NAMES, "prompt_logprobs": "logprobs"}
+CHAT_NAMES = {**_OPENAI_NAMES, "logprobs": "top_logprobs"}
+NATIVE_NAMES: dict[str, str] = {}  # SGLang's native API uses the engine's names
+
+
+@contextmanager
+def reported_as(names: dict[str, str]) -> Iterator[None]:
+    """Re-raise an InvalidParameter from inside under the API's name for the field."""
+    try:
+        yield
+    except InvalidParameter as exc:
+        raise exc.renamed(names) from None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -90,12 +106,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 
 def _build(names: dict[str, str], **kwargs) -> SamplingParams:
     """SamplingParams, with a range error reported under the API's name for the field."""
-    try:
+    with reported_as(names):
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
-    except InvalidParameter as exc:
-        param = names.get(exc.param, exc.param)
-        message = str(exc).replace(exc.param or "", param or "", 1)
-        raise InvalidParameter(message, param) from None
 
 
 def _common(req) -> dict:
@@ -134,7 +146,7 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
         raise InvalidParameter("'best_of' is only supported equal to 'n'", "best_of")
     scoring = req.logprobs if req.echo and req.logprobs is not None else None
     return _build(
-        {**_OPENAI_NAMES, "prompt_logprobs": "logprobs"},
+        COMPLETION_NAMES,
         **_common(req),
         max_new_tokens=16 if req.max_tokens is None else req.max_tokens,
         min_new_tokens=req.min_tokens,
@@ -161,7 +173,7 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
         raise InvalidParameter("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     return _build(
-        {**_OPENAI_NAMES, "logprobs": "top_logprobs"},
+        CHAT_NAMES,
         **_common(req),
         max_new_tokens=16 if max_tokens is None else max_tokens,
         min_new_tokens=req.min_tokens,
@@ -173,7 +185,7 @@ def native_params(sp: NativeSamplingParams | None) -> SamplingParams:
     """SGLang's sampling_params, names unchanged."""
     sp = sp or NativeSamplingParams()
     return _build(
-        {},
+        NATIVE_NAMES,
         **_common(sp),
         max_new_tokens=16 if sp.max_new_tokens is None else sp.max_new_tokens,
         min_new_tokens=sp.min_new_tokens,
@@ -224,9 +236,17 @@ def chat_prompt_ids(tokenizer: TextTokenizer, req: ChatCompletionRequest) -> lis
 
 # ---- responses --------------------------------------------------------------------------------
 def finish_reason(out: RequestOutput) -> str | None:
+    """OpenAI's finish_reason: None until the end, then "length" or "stop" (an abort that
+    reaches a response body is reported as a stop; errors have their own body)."""
     if not out.finished:
         return None
     return "length" if out.finish_reason == "length" else "stop"
+
+
+def native_finish_reason(out: RequestOutput) -> dict | None:
+    """SGLang's meta_info.finish_reason: the same rule, with what matched."""
+    reason = finish_reason(out)
+    return None if reason is None else {"type": reason, "matched": out.stop_reason}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -367,4 +387,19 @@ def chat_response(
         "model": model,
         "choices": choices,
         "usage": usage(prompt_len, sum(len(o.output_token_ids) for o in outputs)),
+    }
+
+
+def native_response(out: RequestOutput, prompt_len: int) -> dict:
+    """One sample's body of SGLang's /generate."""
+    return {
+        "text": out.text,
+        "output_ids": out.output_token_ids,
+        "meta_info": {
+            "id": out.request_id,
+            "finish_reason": native_finish_reason(out),
+            "prompt_tokens": prompt_len,
+            "completion_tokens": len(out.output_token_ids),
+            "cached_tokens": out.num_cached_tokens,
+        },
     }

@@ -9,26 +9,50 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi.responses import StreamingResponse
 
 from mci.core.outputs import RequestOutput
+from mci.core.sampling_params import SamplingParams
 from mci.server import protocol
 from mci.server.errors import error_body
+from mci.server.state import ServerState
 from mci.server.submission import Submission
+
+
+@dataclass(frozen=True)
+class StreamContext:
+    """One streamed request: where its outputs come from and what its chunks must say.
+
+    `prompts` holds (the prompt as the client gave it, its token ids) per prompt; choice i
+    belongs to prompt i // params.n.
+    """
+
+    state: ServerState
+    submission: Submission
+    request_id: str
+    prompts: list[tuple[str | list[int] | None, list[int]]]
+    params: SamplingParams
+    echo: bool = False
+    include_usage: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for _, ids in self.prompts)
 
 
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def streaming_response(gen: AsyncIterator[str], sub: Submission) -> StreamingResponse:
+def streaming_response(gen: AsyncIterator[str], ctx: StreamContext) -> StreamingResponse:
     async def guarded():
         try:
             async for chunk in gen:
                 yield chunk
         finally:  # client gone or stream done: nothing may keep running in the engine
-            sub.abort()
+            ctx.submission.abort()
 
     return StreamingResponse(
         guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -56,13 +80,18 @@ def stream_error(out: RequestOutput) -> str:
     return sse(error_body(out.error or "request failed", "server_error"))
 
 
-async def stream_completion(state, sub, rid, prompts, params, echo, include_usage):
+async def stream_completion(ctx: StreamContext) -> AsyncIterator[str]:
     """Completion chunks. With echo, a choice's first chunk is its prompt (and the prompt's
     logprobs, when asked), sent once the engine has scored it; `text_offset` always indexes
     the choice's whole text so far."""
     created, usage = int(time.time()), [0]
-    base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
-    tokenizer = state.tokenizer
+    sub, params, tokenizer = ctx.submission, ctx.params, ctx.state.tokenizer
+    base = {
+        "id": ctx.request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": ctx.state.model_name,
+    }
     offsets: dict[int, int] = {}  # choice index -> characters of its text so far
 
     def chunk(idx: int, text: str, logprobs, reason) -> str:
@@ -76,8 +105,8 @@ async def stream_completion(state, sub, rid, prompts, params, echo, include_usag
         idx = sub.index[out.request_id]
         if idx not in offsets:
             offsets[idx] = 0
-            if echo:
-                prompt, ids = prompts[idx // params.n]
+            if ctx.echo:
+                prompt, ids = ctx.prompts[idx // params.n]
                 text = protocol.echo_text(tokenizer, prompt, ids)
                 offsets[idx] = len(text)
                 yield chunk(idx, text, protocol.echo_logprobs(tokenizer, ids, out), None)
@@ -88,18 +117,20 @@ async def stream_completion(state, sub, rid, prompts, params, echo, include_usag
             )
         if out.delta_text or out.new_token_ids or out.finished:
             yield chunk(idx, out.delta_text, lp, protocol.finish_reason(out))
-    if include_usage:
-        yield _usage_chunk(base, sum(len(ids) for _, ids in prompts), usage[0])
+    if ctx.include_usage:
+        yield _usage_chunk(base, ctx.num_prompt_tokens, usage[0])
     yield sse("[DONE]")
 
 
-async def stream_chat(state, sub, rid, prompt_len, include_usage):
+async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
+    """Chat chunks: a role chunk per choice, then content deltas."""
     created, usage = int(time.time()), [0]
+    sub = ctx.submission
     base = {
-        "id": rid,
+        "id": ctx.request_id,
         "object": "chat.completion.chunk",
         "created": created,
-        "model": state.model_name,
+        "model": ctx.state.model_name,
     }
     for idx in sub.index.values():
         yield sse(
@@ -121,7 +152,7 @@ async def stream_chat(state, sub, rid, prompt_len, include_usage):
             break
         lp = None
         if out.new_logprobs:
-            lp = protocol.chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs)
+            lp = protocol.chat_logprobs(ctx.state.tokenizer, out.new_token_ids, out.new_logprobs)
         delta = {"content": out.delta_text} if out.delta_text else {}
         yield sse(
             {
@@ -136,12 +167,14 @@ async def stream_chat(state, sub, rid, prompt_len, include_usage):
                 ],
             }
         )
-    if include_usage:
-        yield _usage_chunk(base, prompt_len, usage[0])
+    if ctx.include_usage:
+        yield _usage_chunk(base, ctx.num_prompt_tokens, usage[0])
     yield sse("[DONE]")
 
 
-async def stream_native(sub, encoded):
+async def stream_native(ctx: StreamContext) -> AsyncIterator[str]:
+    """SGLang's native stream: each event carries the sample's whole text so far."""
+    sub = ctx.submission
     texts: dict[str, str] = {}
     while sub.remaining:
         out = await sub.next()
@@ -155,16 +188,9 @@ async def stream_native(sub, encoded):
                 "text": texts[out.request_id],
                 "meta_info": {
                     "id": out.request_id,
-                    "finish_reason": native_finish_reason(out),
+                    "finish_reason": protocol.native_finish_reason(out),
                     "completion_tokens": None,
                 },
             }
         )
     yield sse("[DONE]")
-
-
-def native_finish_reason(out: RequestOutput):
-    if not out.finished:
-        return None
-    matched = out.stop_reason
-    return {"type": "length" if out.finish_reason == "length" else "stop", "matched": matched}

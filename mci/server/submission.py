@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -13,9 +12,7 @@ from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
 from mci.server.engine_client import EngineDied
 from mci.server.errors import HTTPError
-
-if TYPE_CHECKING:
-    from mci.server.app import ServerState
+from mci.server.state import ServerState
 
 
 @dataclass

@@ -1,0 +1,109 @@
+"""One engine step at a time: schedule -> execute -> update (vLLM's `EngineCore.step`).
+
+`EngineCore` is the whole engine minus threads, queues and callers: whoever drives it (the
+`EngineLoop`) calls it from a single thread. It also answers for the engine's state: stats
+for metrics and the KV integrity checks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from mci.cache.kv_manager import KVCacheManager
+from mci.core.outputs import RequestOutput
+from mci.core.request import Request
+from mci.runner.model_runner import ModelRunner
+from mci.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("mci")
+
+
+class EngineCore:
+    """A scheduler and a model runner, stepped together. Not thread-safe: one driver."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, check_integrity: bool = False):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.check_integrity_each_step = check_integrity
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.scheduler.kv
+
+    @property
+    def counters(self) -> Counter[str]:
+        return self.scheduler.counters
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.scheduler.prefix_cache_hit_rate
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(self, req: Request) -> RequestOutput | None:
+        """Queue a request; returns its final output at once if it can never run."""
+        return self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        return self.scheduler.abort_request(request_id)
+
+    def abort_all(self, error: str) -> list[RequestOutput]:
+        return self.scheduler.abort_all(error)
+
+    def step(self) -> list[RequestOutput]:
+        """Advance every runnable request by one step; returns the step's outputs."""
+        outputs = self.scheduler.expire_deadlines()
+        batch = self.scheduler.schedule()
+        if batch:
+            result = self.runner.execute(batch)
+            outputs += self.scheduler.update(batch, result)
+        if self.check_integrity_each_step:
+            self.check_integrity()
+        return outputs
+
+    # ---- state --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """A snapshot for metrics."""
+        sched, kv = self.scheduler, self.kv
+        radix = kv.radix
+        in_use = kv.pool.num_slots - kv.available  # held by requests or locked in the tree
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_slots": kv.pool.num_slots,
+            "free_slots": kv.pool.num_free,
+            "tree_tokens": radix.total_tokens if radix else 0,
+            "tree_locked_tokens": radix.protected_tokens if radix else 0,
+            "kv_cache_usage": in_use / kv.pool.num_slots,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "counters": dict(sched.counters),
+        }
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every slot is free, the tree's, or exactly one running
+        request's (requests in flight included)."""
+        self.kv.check_integrity(self.scheduler.running)
+
+    def check_idle_integrity(self) -> None:
+        """Raise AssertionError unless, with nothing in flight, every slot is free or the
+        tree's and no lock is held."""
+        if self.has_work:
+            raise AssertionError("requests still in flight")
+        self.kv.check_integrity([])
+        radix = self.kv.radix
+        if radix is not None and radix.protected_tokens:
+            raise AssertionError(f"a lock leaked: {radix.protected_tokens} tokens still locked")
+
+    def state(self) -> dict:
+        """Stats plus a live integrity check, for operators (`/internal/state`) and tests."""
+        state = self.stats()
+        try:
+            self.check_integrity()
+            state["integrity_ok"] = True
+        except AssertionError as exc:
+            state["integrity_ok"] = False
+            state["integrity_error"] = str(exc)
+        return state

@@ -1,0 +1,87 @@
+"""The one way into the engine: a prompt and its SamplingParams become validated `Request`s.
+
+The in-process `Engine`, the HTTP front end and `mci run-batch` all go through a
+`RequestFront`, so a prompt is judged by the same rules everywhere (only the context length
+differs: a server may serve less than the model's). The HTTP front end validates in its own
+process, before admission, and the engine process fans the accepted prompt out into samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from mci.core.request import Request
+from mci.core.sampling_params import SamplingParams
+from mci.errors import InvalidParameter
+from mci.tokenizer import TextTokenizer
+
+
+def sample_ids(base: str, n: int) -> list[str]:
+    """Request ids of a prompt's samples: `base` for n = 1, else `base-0 .. base-(n-1)`."""
+    return [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+
+
+class RequestFront:
+    """Tokenises and validates prompts against one vocabulary and context length, and fans a
+    prompt out into one `Request` per sample (ids, seeds, deadline)."""
+
+    def __init__(self, tokenizer: TextTokenizer, vocab_size: int, context_length: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt (as transformers' tokenizer gives them), or the given ids
+        after checking they exist in the vocabulary."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            if any(t < 0 or t >= self.vocab_size for t in ids):
+                raise InvalidParameter(
+                    f"prompt token ids must be in [0, {self.vocab_size})", "prompt"
+                )
+        if not ids:
+            raise InvalidParameter("prompt is empty", "prompt")
+        return ids
+
+    def check(self, ids: list[int], params: SamplingParams) -> None:
+        """The prompt and its completion fit the context; token ids in `params` exist."""
+        if len(ids) + params.max_new_tokens > self.context_length:
+            raise InvalidParameter.named(
+                "max_new_tokens",
+                f"prompt ({len(ids)} tokens) + {{param}} ({params.max_new_tokens}) exceeds the "
+                f"context length {self.context_length}",
+                code="context_length_exceeded",
+            )
+        params.check_vocab(self.vocab_size)
+
+    def requests(
+        self,
+        base: str,
+        ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> list[Request]:
+        """One request per sample of a checked prompt; sample i of a seeded request is seeded
+        `seed + i`, so samples differ and each is reproducible."""
+        self.check(ids, params)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if params.n == 1:
+            return [Request(base, ids, params, priority=priority, deadline=deadline)]
+        # Samples share the prompt: the scheduler defers siblings until the first one's prefill
+        # is in the prefix cache, then they reuse it.
+        return [
+            Request(
+                rid,
+                ids,
+                dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + i
+                ),
+                priority=priority,
+                deadline=deadline,
+            )
+            for i, rid in enumerate(sample_ids(base, params.n))
+        ]

@@ -1,0 +1,36 @@
+"""What the HTTP handlers share: the engine handle, the request front, limits, metrics, the
+drain flag. One per server; built by `mci serve` (launch.py) and handed to `build_app`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mci.config import ModelConfig
+from mci.engine_config import ServerConfig
+from mci.request_front import RequestFront
+from mci.server.engine_client import EngineClient
+from mci.server.metrics import ServerMetrics
+from mci.tokenizer import TextTokenizer
+
+
+@dataclass
+class ServerState:
+    """The server's shared state; `draining` turns true on SIGTERM and never back."""
+
+    client: EngineClient
+    tokenizer: TextTokenizer
+    model_config: ModelConfig
+    config: ServerConfig
+    model_name: str
+    max_running: int
+    metrics: ServerMetrics = field(init=False)
+    front: RequestFront = field(init=False)
+    draining: bool = False
+
+    def __post_init__(self):
+        self.metrics = ServerMetrics(lambda: self.client.stats)
+        self.front = RequestFront(self.tokenizer, self.model_config.vocab_size, self.context_length)
+
+    @property
+    def context_length(self) -> int:
+        return self.config.context_length or self.model_config.max_position_embeddings
