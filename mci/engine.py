@@ -202,7 +202,15 @@ class Engine:
         self._loop.run_once(self._inbox)
 
     def _on_loop_thread(self, fn: Callable[[], object]):
-        """Run `fn` between steps on the loop's thread and return its result (or raise)."""
+        """Run `fn` between steps and return its result (or raise): on the loop's thread when
+        one runs; directly when the caller is the loop (a sink, background=False) or the
+        loop has stopped."""
+        if (
+            self._thread is None
+            or threading.current_thread() is self._thread
+            or not self._thread.is_alive()
+        ):
+            return fn()
         done = threading.Event()
         result: list = []
         errors: list[BaseException] = []
@@ -215,8 +223,6 @@ class Engine:
             done.set()
 
         self._inbox.put(CallBetweenSteps(call))
-        if self._thread is None:
-            self._loop.run_once(self._inbox)
         if not done.wait(30):
             raise TimeoutError("the engine loop did not answer in 30 s")
         if errors:
@@ -224,7 +230,8 @@ class Engine:
         return result[0]
 
     def stats(self) -> dict:
-        """A snapshot for metrics, taken between steps."""
+        """A snapshot for metrics, taken between steps (with background=False: call it from
+        the thread that drives the engine)."""
         return self._on_loop_thread(self.core.stats)
 
     def check_integrity_now(self) -> None:

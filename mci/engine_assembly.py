@@ -8,8 +8,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
-
 from mci.cache.kv_manager import KVCacheManager
 from mci.cache.radix_cache import RadixCache
 from mci.cache.sizing import kv_pool_tokens
@@ -69,9 +67,9 @@ def build_engine_core(
     cfg = model.cfg
     eos_ids = tuple(cfg.eos_token_ids)
     with_mtp = False  # nothing runs the MTP modules yet
-    per_token = model.kv_bytes_per_token(with_mtp)
+    per_token = cfg.kv_bytes_per_token(model.dtype.itemsize, include_mtp=with_mtp)
     cap = config.scheduler.max_running_requests * cfg.max_position_embeddings
-    device = torch.device(config.model.device)
+    device = model.lm_head.weight.device  # where the model is, whatever the config said
     num_slots = kv_pool_tokens(config.cache, per_token, device, cap)
     pool = SlotPool(num_slots)
     radix = None if config.cache.disable_radix_cache else RadixCache(pool)

@@ -90,12 +90,12 @@ class EngineLoop:
         self.core = core
         self._sinks: dict[str, Sink] = {}
 
-    def run_once(self, inbox: Inbox, wait: bool = False) -> None:
+    def run_once(self, inbox: Inbox, wait: bool = False, should_stop=None) -> None:
         """Apply the commands waiting in `inbox` (with `wait` and nothing to do, block briefly
-        for one), then step once if there is work."""
+        for one), then step once if there is work and the loop is not stopping."""
         for command in inbox.take(wait and not self.core.has_work):
             self.apply(command)
-        if not self.core.has_work:
+        if not self.core.has_work or (should_stop is not None and should_stop()):
             return
         try:
             outputs = self.core.step()
@@ -107,7 +107,7 @@ class EngineLoop:
     def run(self, inbox: Inbox, should_stop: Callable[[], bool], after_each=None) -> None:
         """Loop until `should_stop()`; `after_each()` runs after every iteration."""
         while not should_stop():
-            self.run_once(inbox, wait=True)
+            self.run_once(inbox, wait=True, should_stop=should_stop)
             if after_each is not None:
                 after_each()
 

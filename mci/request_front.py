@@ -34,16 +34,13 @@ class RequestFront:
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (as transformers' tokenizer gives them), or the given ids
         after checking they exist in the vocabulary."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            if any(t < 0 or t >= self.vocab_size for t in ids):
-                raise InvalidParameter(
-                    f"prompt token ids must be in [0, {self.vocab_size})", "prompt"
-                )
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise InvalidParameter("prompt is empty", "prompt")
+        # text prompts too: a tokenizer larger than the model's vocabulary is caught here, not
+        # by a failed step that takes every request in the batch down with it
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidParameter(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         return ids
 
     def check(self, ids: list[int], params: SamplingParams) -> None:

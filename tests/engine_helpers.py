@@ -1,4 +1,4 @@
-"""Drive a Scheduler step by step (no thread), with requests arriving at chosen steps."""
+"""Drive an EngineCore step by step (no thread), with requests arriving at chosen steps."""
 
 from __future__ import annotations
 

@@ -176,18 +176,14 @@ class RadixCache:
         for node in self._nodes():
             total += len(node.key)
             evictable += len(node.key) if node.lock_ref == 0 else 0
-            problems = [
-                (len(node.key) == len(node.slots) > 0, "edge key/slots length mismatch"),
-                (node.lock_ref >= 0, f"negative lock count {node.lock_ref}"),
-                (node.parent.children[node.key[0]] is node, "node missing from its parent"),
-                (
-                    node.lock_ref <= node.parent.lock_ref or node.parent is self.root,
-                    "a node holds more locks than its parent",
-                ),
-            ]
-            for ok, message in problems:
-                if not ok:
-                    raise AssertionError(f"radix tree: {message}")
+            if not len(node.key) == len(node.slots) > 0:
+                raise AssertionError("radix tree: edge key/slots length mismatch")
+            if node.lock_ref < 0:
+                raise AssertionError(f"radix tree: negative lock count {node.lock_ref}")
+            if node.parent.children.get(node.key[0]) is not node:
+                raise AssertionError("radix tree: node missing from its parent")
+            if node.lock_ref > node.parent.lock_ref and node.parent is not self.root:
+                raise AssertionError("radix tree: a node holds more locks than its parent")
         if total != self.total_tokens or evictable != self.evictable_tokens:
             raise AssertionError(
                 f"radix tree: counted {total} tokens ({evictable} evictable), "

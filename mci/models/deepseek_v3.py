@@ -37,8 +37,8 @@ class DeepseekV3Backbone(nn.Module):
 class DeepseekV3ForCausalLM(nn.Module):
     """The full model. `forward` returns final-norm hidden states; `logits` applies lm_head.
 
-    KV cache layout: one tensor [num_cache_layers, num_slots, kv_lora_rank + qk_rope_head_dim];
-    layer i of the main model uses row i, MTP module k uses row num_hidden_layers + k.
+    KV cache layout: one tensor [rows, num_slots, kv_lora_rank + qk_rope_head_dim]; layer i of
+    the main model uses row i, MTP module k uses row num_hidden_layers + k (when allocated).
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = True):
@@ -59,22 +59,17 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Latent rows per token with the MTP modules' rows (see `allocate_kv_cache`)."""
         return self.cfg.num_hidden_layers + len(self.mtp)
 
-    def _cache_rows(self, with_mtp: bool) -> int:
-        return self.num_cache_layers if with_mtp else self.cfg.num_hidden_layers
-
-    def kv_bytes_per_token(self, with_mtp: bool = True) -> int:
-        return self.cfg.kv_latent_dim * self._cache_rows(with_mtp) * self.dtype.itemsize
-
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def allocate_kv_cache(
         self, num_slots: int, device: torch.device | str = "cpu", with_mtp: bool = True
     ) -> torch.Tensor:
-        """Zeroed latent cache for `num_slots` tokens: [num_cache_layers, num_slots, latent_dim].
-
-        `with_mtp=False` leaves out the MTP modules' rows (an engine that never runs them)."""
-        shape = (self._cache_rows(with_mtp), num_slots, self.cfg.kv_latent_dim)
+        """Zeroed latent cache for `num_slots` tokens: [rows, num_slots, latent_dim], one row
+        per main layer and, with `with_mtp`, one per MTP module (an engine that never runs them
+        leaves theirs out)."""
+        rows = self.num_cache_layers if with_mtp else self.cfg.num_hidden_layers
+        shape = (rows, num_slots, self.cfg.kv_latent_dim)
         return torch.zeros(shape, dtype=self.dtype, device=device)
 
     def rope_for(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

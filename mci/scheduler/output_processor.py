@@ -70,9 +70,10 @@ class OutputProcessor:
         self._finish(req, "length", None)
         return self._output(req, [])
 
-    def on_abort(self, req: Request, reason: str = "abort", error: str | None = None):
+    def on_abort(self, req: Request, error: str | None = None) -> RequestOutput:
+        """The final output of an aborted request (client abort, deadline, shutdown)."""
         req.status = RequestStatus.ABORTED
-        req.finish_reason = reason
+        req.finish_reason = "abort"
         out = self._output(req, [])
         out.error = error
         return out

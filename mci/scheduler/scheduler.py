@@ -223,7 +223,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.release(req)
         self.counters["aborted"] += 1
-        return self.output_processor.on_abort(req, "abort", error)
+        return self.output_processor.on_abort(req, error)
 
     def expire_deadlines(self) -> list[RequestOutput]:
         now = time.monotonic()

@@ -80,7 +80,8 @@ class PipeInbox:
         if isinstance(msg, messages.Shutdown):
             self.stop = self.shutdown_asked = True
             return None
-        raise TypeError(f"unknown message {msg!r}")
+        log.error("ignoring an unknown message from the front end: %r", msg)
+        return None
 
     def send(self, msg) -> None:
         try:

@@ -82,7 +82,7 @@ def parse(model: type[BaseModel], body) -> BaseModel:
 # reported to an OpenAI client as an error about `max_tokens`.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 COMPLETION_NAMES = {**_OPENAI_NAMES, "prompt_logprobs": "logprobs"}
-CHAT_NAMES = {**_OPENAI_NAMES, "logprobs": "top_logprobs"}
+CHAT_NAMES = {**_OPENAI_NAMES, "logprobs": "top_logprobs", "prompt": "messages"}
 NATIVE_NAMES: dict[str, str] = {}  # SGLang's native API uses the engine's names
 
 
