@@ -81,3 +81,33 @@ def test_metadata_rejects_bad_chunks():
         AttentionMetadata.build([SequenceChunk(torch.arange(3), 4)])
     with pytest.raises(ValueError):
         AttentionMetadata.build([SequenceChunk(torch.arange(3), 0)])
+
+
+def test_ragged_groups_interleaved_decodes_equal_each_alone(model):
+    """Decodes of different context lengths on both sides of a prefill chunk (the decode group's
+    rows are not contiguous) and two prefill chunks: each sequence gets its solo logits."""
+    seqs = [_ids(9, 6), _ids(20, 7), _ids(5, 8), _ids(14, 9), _ids(12, 10)]
+    cached = [8, 0, 4, 6, 11]  # decode, fresh prefill, decode, chunk after a prefix, decode
+    cache = model.allocate_kv_cache(96)
+    perm = torch.randperm(96, generator=torch.Generator().manual_seed(11))
+    slots, start = [], 0
+    for s in seqs:
+        slots.append(perm[start : start + len(s)])
+        start += len(s)
+    for s, sl, c in zip(seqs, slots, cached):
+        if c:
+            meta = AttentionMetadata.build([SequenceChunk(sl[:c], c)])
+            model(torch.tensor(s[:c]), meta, cache, "expanded")
+    chunks = [SequenceChunk(sl, len(s) - c) for s, sl, c in zip(seqs, slots, cached)]
+    meta = AttentionMetadata.build(chunks)
+    assert len(meta.groups) == 3 and meta.groups[0].batch_size == 3  # decodes, then 2 prefills
+    assert not isinstance(meta.groups[0].rows, slice)
+    new_ids = torch.tensor([t for s, c in zip(seqs, cached) for t in s[c:]])
+    for path in ("auto", "absorbed", "expanded"):
+        batched = model.logits(model(new_ids, meta, cache, path))
+        offset = 0
+        for s, c in zip(seqs, cached):
+            alone = prefill_logits(model, s, "expanded")[c:]
+            n = len(s) - c
+            assert (batched[offset : offset + n] - alone).abs().max().item() <= TOL, path
+            offset += n

@@ -14,7 +14,9 @@ Two equivalent ways to attend:
   latent rows as one shared key/value "head" (MQA), then apply W_UV to the result. No per-token
   expansion: the right choice for decode, where one query faces a long context.
 
-`choose_absorbed` picks the path with fewer multiply-adds for the step; both are tested equal.
+`choose_absorbed` picks the path with fewer multiply-adds, once per step for each attention
+group (see attention_metadata.py): the decode group takes the absorbed path, a long fresh
+prefill the expanded one. Both are tested equal.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from mci.config import ModelConfig
-from mci.layers.attention_metadata import AttentionMetadata
+from mci.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from mci.layers.linear import Linear, make_linear
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import apply_rope
 
 
-def choose_absorbed(cfg: ModelConfig, meta: AttentionMetadata) -> bool:
-    """True when the absorbed path costs fewer multiply-adds than the expanded one."""
+def choose_absorbed(cfg: ModelConfig, meta: AttentionMetadata | AttentionGroup) -> bool:
+    """True when the absorbed path costs fewer multiply-adds than the expanded one, for a
+    group (or a whole step, counted as one)."""
     h, c, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
     absorbed = meta.sum_query_len * h * c * (nope + v) + meta.sum_query_times_context * h * (
@@ -77,9 +80,10 @@ class MultiHeadLatentAttention(nn.Module):
         meta: AttentionMetadata,
         rope_cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
-        absorbed: bool,
+        absorbed: tuple[bool, ...],
     ) -> torch.Tensor:
-        """x: [T, hidden]; kv_cache: [num_slots, kv_lora + rope] of this layer (written here)."""
+        """x: [T, hidden]; kv_cache: [num_slots, kv_lora + rope] of this layer (written here);
+        `absorbed`: the path of each of `meta.groups`."""
         t = x.shape[0]
         q, latent = self.fused_qkv_a_proj(x).split(self.fused_qkv_a_proj.part_sizes, dim=-1)
         if self.q_lora_rank is not None:
@@ -93,76 +97,84 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv, k_rope.dtype)
         new_rows = torch.cat((c_kv, k_rope), dim=-1)  # [T, kv_lora + rope]
         kv_cache.index_copy_(0, meta.write_slots, new_rows.to(kv_cache.dtype))
-        b, length = meta.kv_slots.shape
-        context = kv_cache.index_select(0, meta.kv_slots.view(-1)).view(b, length, -1)  # [B, L, D]
-        if absorbed:
-            out = self._absorbed(q_nope, q_rope, context, meta)
+        groups = meta.groups
+        if len(groups) == 1 and isinstance(groups[0].rows, slice):  # rows are 0..T-1 in order
+            out = self._attend(q_nope, q_rope, kv_cache, groups[0], absorbed[0])
         else:
-            out = self._expanded(q_nope, q_rope, context, meta)
+            out = q_nope.new_empty(t, self.num_heads, self.v_dim)
+            for group, group_absorbed in zip(groups, absorbed, strict=True):
+                rows = group.rows
+                out[rows] = self._attend(
+                    q_nope[rows], q_rope[rows], kv_cache, group, group_absorbed
+                )
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 
-    def _pad(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """[T, ...] -> [B, Q, ...] in the padded query layout (identity for one sequence)."""
-        b, q = meta.batch_size, meta.max_query_len
-        if b == 1:
-            return x.unsqueeze(0)
-        padded = x.new_zeros((b * q,) + x.shape[1:])
-        padded[meta.padded_pos] = x
-        return padded.view((b, q) + x.shape[1:])
-
-    def _unpad(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """[B, Q, ...] -> [T, ...]."""
-        if meta.batch_size == 1:
-            return x[0]
-        return x.reshape((-1,) + x.shape[2:])[meta.padded_pos]
+    def _attend(self, q_nope, q_rope, kv_cache, group: AttentionGroup, absorbed: bool):
+        """One group's attention: q_* [N, H, *] (N = B * Q rows) -> [N, H, v]."""
+        b, length = group.kv_slots.shape
+        context = kv_cache.index_select(0, group.kv_slots.view(-1)).view(b, length, -1)  # [B, L, D]
+        q_nope = q_nope.view((b, group.query_len) + q_nope.shape[1:])  # [B, Q, H, nope]
+        q_rope = q_rope.view((b, group.query_len) + q_rope.shape[1:])
+        if absorbed:
+            out = self._absorbed(q_nope, q_rope, context, group)
+        else:
+            out = self._expanded(q_nope, q_rope, context, group)
+        return out.reshape((-1,) + out.shape[2:])  # [B*Q, H, v]
 
     def _kv_b_heads(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, kv_lora] and W_UV [H, v, kv_lora] views of kv_b_proj."""
         w = self.kv_b_proj.dense_weight(dtype).view(self.num_heads, self.nope + self.v_dim, -1)
         return w[:, : self.nope], w[:, self.nope :]
 
-    def _absorbed(self, q_nope, q_rope, context, meta: AttentionMetadata) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_rope, context, group: AttentionGroup) -> torch.Tensor:
+        """q_*: [B, Q, H, *], context [B, L, D] -> [B, Q, H, v]."""
+        b, q_len, h, _ = q_nope.shape
         length = context.shape[1]
         w_uk, w_uv = self._kv_b_heads(q_nope.dtype)
-        # q_lat[t, h] = W_UK_h^T q_nope[t, h]: [H, T, nope] @ [H, nope, kv_lora] -> [T, H, kv_lora]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        q_full = self._pad(torch.cat((q_lat, q_rope), dim=-1), meta)  # [B, Q, H, kv_lora + rope]
-        b, q_len, h, d = q_full.shape
+        # q_lat[n, h] = W_UK_h^T q_nope[n, h]: [H, N, nope] @ [H, nope, kv_lora] -> [N, H, kv_lora]
+        q_flat = q_nope.reshape(b * q_len, h, -1)
+        q_lat = torch.bmm(q_flat.transpose(0, 1), w_uk).transpose(0, 1)
+        q_full = torch.cat((q_lat, q_rope.reshape(b * q_len, h, -1)), dim=-1)  # [N, H, D]
+        d = q_full.shape[-1]
         # All heads share the single latent key/value, so the Q*H (query, head) pairs attend as
         # one head of one fused SDPA call per sequence. The latent row is both key and value
         # (its last `rope` output columns are dropped); SDPA keeps scores and softmax in
         # float32, where separate bmms would round the scores to bf16 first.
-        mask = None
-        if meta.mask is not None:  # [B, Q, L] -> [B, 1, Q*H, L]
-            mask = meta.mask[:, None, :, None].expand(-1, -1, -1, h, -1).reshape(b, 1, -1, length)
+        mask = group.mask
+        if mask is not None:  # [B, Q, L] -> [B, 1, Q*H, L] (Q = 1: broadcast over the heads)
+            if q_len == 1:
+                mask = mask[:, None]
+            else:
+                mask = mask[:, None, :, None].expand(-1, -1, -1, h, -1).reshape(b, 1, -1, length)
         kv = context[:, None]  # [B, 1, L, kv_lora + rope]
         out = F.scaled_dot_product_attention(
             q_full.view(b, 1, q_len * h, d), kv, kv, attn_mask=mask, scale=self.scale
         )  # [B, 1, Q*H, kv_lora + rope]
-        out_lat = self._unpad(out.view(b, q_len, h, d)[..., : self.kv_lora_rank], meta)
-        # out[t, h] = W_UV_h out_lat[t, h]: [H, T, kv_lora] @ [H, kv_lora, v] -> [T, H, v]
-        return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        out_lat = out.view(b * q_len, h, d)[..., : self.kv_lora_rank]
+        # out[n, h] = W_UV_h out_lat[n, h]: [H, N, kv_lora] @ [H, kv_lora, v] -> [N, H, v]
+        out = torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return out.reshape(b, q_len, h, self.v_dim)
 
-    def _expanded(self, q_nope, q_rope, context, meta: AttentionMetadata) -> torch.Tensor:
+    def _expanded(self, q_nope, q_rope, context, group: AttentionGroup) -> torch.Tensor:
+        """q_*: [B, Q, H, *], context [B, L, D] -> [B, Q, H, v]."""
         b, length, _ = context.shape
         c_kv, k_rope = context.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(b, length, self.num_heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, L, H, nope], [B, L, H, v]
         k = torch.cat((k_nope, k_rope[:, :, None, :].expand(-1, -1, self.num_heads, -1)), dim=-1)
-        q = self._pad(torch.cat((q_nope, q_rope), dim=-1), meta)  # [B, Q, H, nope + rope]
+        q = torch.cat((q_nope, q_rope), dim=-1)  # [B, Q, H, nope + rope]
         # SDPA's fused kernels need v's head dim equal to q/k's: zero-pad v, slice the output.
         qk_dim = self.nope + self.rope_dim
         if self.v_dim < qk_dim:
             v = F.pad(v, (0, qk_dim - self.v_dim))
-        # Every sequence a fresh prompt of the same length: plain causal, no mask needed.
-        causal = meta.max_query_len == length and meta.sum_query_len == meta.batch_size * length
-        mask = None if causal or meta.mask is None else meta.mask[:, None]  # [B, 1, Q, L]
+        # [B, 1, Q, L]; a fresh sequence uses SDPA's own causal mode (its fastest kernel)
+        mask = None if group.causal or group.mask is None else group.mask[:, None]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
             attn_mask=mask,
-            is_causal=causal,
+            is_causal=group.causal,
             scale=self.scale,
         )  # [B, H, Q, qk_dim]
-        return self._unpad(out.transpose(1, 2)[..., : self.v_dim], meta)  # [T, H, v]
+        return out.transpose(1, 2)[..., : self.v_dim]  # [B, Q, H, v]

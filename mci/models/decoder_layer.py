@@ -34,7 +34,7 @@ class DecoderLayer(nn.Module):
             else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8)
         )
 
-    def forward(self, x, meta, rope_cos_sin, kv_cache, absorbed: bool) -> torch.Tensor:
+    def forward(self, x, meta, rope_cos_sin, kv_cache, absorbed: tuple[bool, ...]) -> torch.Tensor:
         """x: float32 [T, hidden] -> float32 [T, hidden]; kv_cache: [num_slots, latent_dim]
         of this layer."""
         x = x + self.self_attn(self.input_layernorm(x), meta, rope_cos_sin, kv_cache, absorbed)

@@ -79,14 +79,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         measurably closer to the fp32 reference than bf16 tables, and the tensors are tiny."""
         return self.rotary.cos_sin(meta.positions, meta.max_position)
 
-    def resolve_path(self, meta: AttentionMetadata, attention_path: str) -> bool:
+    def resolve_path(self, meta: AttentionMetadata, attention_path: str) -> tuple[bool, ...]:
+        """Whether each attention group of the step takes the absorbed path: by cost under
+        "auto", or forced ("absorbed" / "expanded", for tests). Decided once per step."""
         if attention_path == "auto":
-            return choose_absorbed(self.cfg, meta)
+            return tuple(choose_absorbed(self.cfg, group) for group in meta.groups)
         if attention_path not in ("absorbed", "expanded"):
             raise ValueError(
                 f"attention_path must be auto|absorbed|expanded, got {attention_path!r}"
             )
-        return attention_path == "absorbed"
+        return (attention_path == "absorbed",) * len(meta.groups)
 
     @torch.inference_mode()
     def forward(

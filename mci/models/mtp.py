@@ -45,7 +45,7 @@ class MTPLayer(DecoderLayer):
         self.shared_head = SharedHead(cfg, dtype)
 
     def forward(
-        self, next_ids, hidden, meta, rope_cos_sin, kv_cache, absorbed: bool
+        self, next_ids, hidden, meta, rope_cos_sin, kv_cache, absorbed: tuple[bool, ...]
     ) -> torch.Tensor:
         """next_ids: [T], hidden: [T, hidden] -> the block's output, float32 [T, hidden]."""
         x = torch.cat((self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)), dim=-1)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Writes the benchmark model once: mci's `small` DeepSeek-V3-architecture checkpoint (108M params,
+# random weights, bf16, HF format) into benchmarks/.peers/small-bf16, and its GGUF bf16
+# conversion for llama.cpp into benchmarks/.peers/small-bf16.gguf. Idempotent.
+#
+#   bash benchmarks/prepare_checkpoint.sh
+#   MCI="env PYTHONPATH=/tmp/mci-bench /work/main/.venv/bin/python -m mci" bash benchmarks/prepare_checkpoint.sh
+#
+# MCI: the command that runs mci's CLI (default: `python -m mci` of this checkout, with the
+# project's venv when there is one). Needs benchmarks/install_peers.sh llama first.
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(dirname "$HERE")
+PEERS=$HERE/.peers
+if [ -z "${MCI:-}" ]; then
+    py=python3; [ -x "$ROOT/.venv/bin/python" ] && py=$ROOT/.venv/bin/python
+    MCI="env PYTHONPATH=$ROOT $py -m mci"
+fi
+CKPT=$PEERS/small-bf16
+GGUF=$PEERS/small-bf16.gguf
+LLAMA_CPP_DIR=$(ls -d "$PEERS"/llama-cpp-python-*/vendor/llama.cpp 2>/dev/null | tail -1)
+
+if [ ! -f "$CKPT/model.safetensors" ]; then
+    rm -rf "$CKPT"
+    $MCI make-checkpoint --size small --dtype bfloat16 --out "$CKPT"
+fi
+
+if [ ! -f "$GGUF" ]; then
+    [ -n "$LLAMA_CPP_DIR" ] || { echo "run benchmarks/install_peers.sh llama first" >&2; exit 1; }
+    # The converter reads the MoE router's scoring function from config.json and silently falls
+    # back to softmax routing without "scoring_func": "sigmoid". Convert from a shadow directory
+    # (links to the weights and tokenizer) whose config.json is guaranteed to carry it.
+    SHADOW=$PEERS/small-bf16-for-gguf
+    rm -rf "$SHADOW" && mkdir -p "$SHADOW"
+    for f in "$CKPT"/*; do
+        [ "$(basename "$f")" = config.json ] || ln -s "$f" "$SHADOW/"
+    done
+    "$PEERS/llama-venv/bin/python" - "$CKPT/config.json" "$SHADOW/config.json" <<'PY'
+import json, sys
+cfg = json.load(open(sys.argv[1]))
+cfg["scoring_func"] = "sigmoid"
+cfg["topk_method"] = "noaux_tc"
+json.dump(cfg, open(sys.argv[2], "w"), indent=2)
+PY
+    LLAMA_CPP_DIR=$LLAMA_CPP_DIR "$PEERS/llama-venv/bin/python" "$HERE/convert_gguf.py" \
+        "$SHADOW" --outtype bf16 --outfile "$GGUF.tmp"
+    mv "$GGUF.tmp" "$GGUF"
+fi
+ls -l "$CKPT" "$GGUF"

