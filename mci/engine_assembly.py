@@ -83,4 +83,6 @@ def build_engine_core(
         config.scheduler, KVCacheManager(pool, radix), OutputProcessor(tokenizer, eos_ids)
     )
     kv_cache = model.allocate_kv_cache(num_slots, device, with_mtp)
+    if device.type == "cpu":
+        log.info("packed %d linear layers for oneDNN", model.pack_for_cpu())
     return EngineCore(scheduler, ModelRunner(model, kv_cache, eos_ids), config.check_integrity)

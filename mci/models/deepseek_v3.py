@@ -16,6 +16,7 @@ from torch import nn
 from mci.config import ModelConfig
 from mci.layers.attention import choose_absorbed
 from mci.layers.attention_metadata import AttentionMetadata
+from mci.layers.linear import Linear
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import RotaryEmbedding
 from mci.models.decoder_layer import DecoderLayer
@@ -46,8 +47,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.model = DeepseekV3Backbone(cfg, dtype)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
-        self.lm_head.weight.requires_grad_(False)
+        self.lm_head = Linear(cfg.hidden_size, (cfg.vocab_size,), dtype)  # never FP8
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
@@ -58,6 +58,11 @@ class DeepseekV3ForCausalLM(nn.Module):
     def num_cache_layers(self) -> int:
         """Latent rows per token with the MTP modules' rows (see `allocate_kv_cache`)."""
         return self.cfg.num_hidden_layers + len(self.mtp)
+
+    def pack_for_cpu(self) -> int:
+        """Pack every unquantised linear weight for oneDNN (see layers/linear.py) before
+        serving on the CPU; returns how many layers were packed. Idempotent."""
+        return sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
