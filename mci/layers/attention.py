@@ -73,6 +73,7 @@ class MultiHeadLatentAttention(nn.Module):
             cfg.kv_lora_rank, h * (self.nope + self.v_dim), dtype, fp8_block
         )
         self.o_proj = make_linear(h * self.v_dim, hidden, dtype, fp8_block)
+        self._absorb_cache: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(
         self,
@@ -121,16 +122,24 @@ class MultiHeadLatentAttention(nn.Module):
             out = self._expanded(q_nope, q_rope, context, group)
         return out.reshape((-1,) + out.shape[2:])  # [B*Q, H, v]
 
-    def _kv_b_heads(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, nope, kv_lora] and W_UV [H, v, kv_lora] views of kv_b_proj."""
+    def _absorb_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, kv_lora] and W_UV^T [H, kv_lora, v] of kv_b_proj, contiguous, as the
+        absorbed path's bmms take them. Under inference mode they are made once per dtype
+        (weights do not change while serving; FP8 is dequantised once, not per step)."""
+        cache = self._absorb_cache
+        if dtype in cache:
+            return cache[dtype]
         w = self.kv_b_proj.dense_weight(dtype).view(self.num_heads, self.nope + self.v_dim, -1)
-        return w[:, : self.nope], w[:, self.nope :]
+        weights = w[:, : self.nope].contiguous(), w[:, self.nope :].transpose(1, 2).contiguous()
+        if torch.is_inference_mode_enabled():
+            cache[dtype] = weights
+        return weights
 
     def _absorbed(self, q_nope, q_rope, context, group: AttentionGroup) -> torch.Tensor:
         """q_*: [B, Q, H, *], context [B, L, D] -> [B, Q, H, v]."""
         b, q_len, h, _ = q_nope.shape
         length = context.shape[1]
-        w_uk, w_uv = self._kv_b_heads(q_nope.dtype)
+        w_uk, w_uv_t = self._absorb_weights(q_nope.dtype)
         # q_lat[n, h] = W_UK_h^T q_nope[n, h]: [H, N, nope] @ [H, nope, kv_lora] -> [N, H, kv_lora]
         q_flat = q_nope.reshape(b * q_len, h, -1)
         q_lat = torch.bmm(q_flat.transpose(0, 1), w_uk).transpose(0, 1)
@@ -152,7 +161,7 @@ class MultiHeadLatentAttention(nn.Module):
         )  # [B, 1, Q*H, kv_lora + rope]
         out_lat = out.view(b * q_len, h, d)[..., : self.kv_lora_rank]
         # out[n, h] = W_UV_h out_lat[n, h]: [H, N, kv_lora] @ [H, kv_lora, v] -> [N, H, v]
-        out = torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        out = torch.bmm(out_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
         return out.reshape(b, q_len, h, self.v_dim)
 
     def _expanded(self, q_nope, q_rope, context, group: AttentionGroup) -> torch.Tensor:
