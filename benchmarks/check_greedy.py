@@ -34,6 +34,47 @@ def pieces(choice: dict) -> list[str]:
     return list(toks or [])
 
 
+def first_top(choice: dict) -> dict[str, float]:
+    """The first generated position's top alternatives: {token piece: logprob}."""
+    lp = choice.get("logprobs") or {}
+    top = lp.get("top_logprobs") or []
+    if top and isinstance(top[0], dict):
+        return {k: float(v) for k, v in top[0].items()}
+    return {}
+
+
+HF_SCRIPT = r"""
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+ckpt, n, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.stdin.read())
+tok = AutoTokenizer.from_pretrained(ckpt)
+model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+out = []
+for p in prompts:
+    ids = torch.tensor([p])
+    with torch.no_grad():
+        first = torch.log_softmax(model(ids).logits[0, -1].float(), -1)
+        gen = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(p):].tolist()
+    v, i = torch.topk(first, 5)
+    out.append({"text": tok.decode(gen), "tokens": [tok.decode([t]) for t in gen],
+                "first_top5": {tok.decode([t]): x for x, t in zip(v.tolist(), i.tolist())}})
+print("HF-JSON" + json.dumps(out))
+"""
+
+
+def hf_reference(py: str, prompts: list, n: int) -> list:
+    """transformers' DeepseekV3ForCausalLM in float32 on the same checkpoint: the reference."""
+    import subprocess
+
+    proc = subprocess.run([py, "-c", HF_SCRIPT, str(bench.CKPT), str(n)], input=json.dumps(prompts),
+                          capture_output=True, text=True, cwd="/", timeout=1200)
+    for line in proc.stdout.splitlines():
+        if line.startswith("HF-JSON"):
+            return json.loads(line[7:])
+    raise RuntimeError(f"transformers reference failed: {proc.stderr[-500:]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engines", default=",".join(bench.ENGINES))
@@ -44,6 +85,9 @@ def main() -> int:
     ap.add_argument("--vllm-extra", default="")
     ap.add_argument("--llama-extra", default="")
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--hf-python", default=None,
+                    help="a python with transformers and torch: adds transformers' float32 "
+                         "forward as a reference row ('hf')")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--ready-timeout", type=float, default=600)
@@ -68,10 +112,11 @@ def main() -> int:
             got[e] = []
             for p in prompts:
                 body = {"model": bench.SERVED_NAME, "prompt": p, "max_tokens": args.tokens,
-                        "temperature": 0, "ignore_eos": True, "logprobs": 1}
+                        "temperature": 0, "ignore_eos": True, "logprobs": 5}
                 c = bench.http_json(server.base + "/v1/completions", body, timeout=600)
                 ch = c["choices"][0]
-                got[e].append({"text": ch.get("text", ""), "tokens": pieces(ch)})
+                got[e].append({"text": ch.get("text", ""), "tokens": pieces(ch),
+                               "first_top5": first_top(ch)})
             bench.log(f"{e}: {got[e][0]['tokens'][:8]}")
         except Exception as exc:
             got[e] = [{"error": f"{type(exc).__name__}: {exc}"}]
@@ -79,14 +124,20 @@ def main() -> int:
         finally:
             server.stop()
 
+    if args.hf_python:
+        try:
+            got["hf"] = hf_reference(args.hf_python, prompts, args.tokens)
+        except Exception as exc:
+            got["hf"] = [{"error": f"{type(exc).__name__}: {exc}"}]
+        engines.append("hf")
     ref = got.get("mci")
-    rows = ["| engine | prompt | leading tokens equal to mci's | first 8 token pieces |",
-            "|---|---|---|---|"]
+    rows = ["| engine | prompt | leading tokens equal to mci's | 1st position: top-5 shared with "
+            "mci's, largest logprob gap on those | first 8 token pieces |", "|---|---|---|---|---|"]
     summary = {"prompts": prompts, "outputs": got, "agreement": {}}
     for e in engines:
         for i, out in enumerate(got[e]):
             if "error" in out:
-                rows.append(f"| {e} | {i} | error: {out['error'][:80]} | |")
+                rows.append(f"| {e} | {i} | error: {out['error'][:80]} | | |")
                 continue
             toks = out["tokens"]
             if ref and i < len(ref) and "tokens" in ref[i]:
@@ -96,11 +147,15 @@ def main() -> int:
                         break
                     n += 1
                 agree = f"{n} / {min(len(toks), len(ref[i]['tokens']))}"
+                a, b = ref[i].get("first_top5", {}), out.get("first_top5", {})
+                shared = set(a) & set(b)
+                gap = max((abs(a[k] - b[k]) for k in shared), default=float("nan"))
+                top = f"{len(shared)} / {len(a)}, {gap:.3f}" if a and b else "n/a"
             else:
-                agree = "n/a"
+                agree = top = "n/a"
             summary["agreement"].setdefault(e, []).append(agree)
             shown = " ".join(json.dumps(t, ensure_ascii=False) for t in toks[:8])
-            rows.append(f"| {e} | {i} | {agree} | {shown.replace('|', '&#124;')} |")
+            rows.append(f"| {e} | {i} | {agree} | {top} | {shown.replace('|', '&#124;')} |")
     table = "\n".join(rows)
     print(table)
     path = Path(args.results) / f"greedy-{stamp}.json"

@@ -131,11 +131,9 @@ class EngineClient:
                 return
             if isinstance(msg, messages.Outputs):
                 self.stats = msg.stats
-                for out in msg.outputs:
-                    self._deliver(out)
+                self._deliver(msg.outputs)
             elif isinstance(msg, messages.Rejected):
-                for sid in msg.sample_ids:
-                    self._deliver(RequestOutput.aborted(sid, msg.message))
+                self._deliver([RequestOutput.aborted(sid, msg.message) for sid in msg.sample_ids])
             elif isinstance(msg, messages.StateReply):
                 entry = self._state_waiters.get(msg.token)
                 if entry:
@@ -144,17 +142,23 @@ class EngineClient:
                         lambda f=fut, s=msg.state: f.done() or f.set_result(s)
                     )
 
-    def _deliver(self, out: RequestOutput) -> None:
-        entry = self._queues.get(out.request_id)
-        if entry is None:
-            return
-        if out.finished:
-            self._queues.pop(out.request_id, None)
-        loop, q = entry
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, out)
-        except RuntimeError:  # the loop is closed (shutting down)
-            pass
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their queues: one wake-up of each event loop per engine message,
+        not one per output (a step of 32 requests is one syscall, not 32)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            entry = self._queues.get(out.request_id)
+            if entry is None:
+                continue
+            if out.finished:
+                self._queues.pop(out.request_id, None)
+            loop, q = entry
+            by_loop.setdefault(loop, []).append((q, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed (shutting down)
+                pass
 
     def _mark_dead(self) -> None:
         if not self.alive:
@@ -166,8 +170,9 @@ class EngineClient:
                 self.process.exitcode,
                 len(self._queues),
             )
-        for sid in list(self._queues):
-            self._deliver(RequestOutput.aborted(sid, "engine process died"))
+        self._deliver(
+            [RequestOutput.aborted(sid, "engine process died") for sid in list(self._queues)]
+        )
 
     def shutdown(self, timeout_s: float = 10) -> None:
         self._closing = True
@@ -184,3 +189,8 @@ class EngineClient:
         deadline = time.monotonic() + 2
         while self._reader.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
