@@ -111,3 +111,32 @@ def test_ragged_groups_interleaved_decodes_equal_each_alone(model):
             n = len(s) - c
             assert (batched[offset : offset + n] - alone).abs().max().item() <= TOL, path
             offset += n
+
+
+def test_equal_shaped_prefills_attend_as_one_group(model):
+    """A burst of prompts of one length is one batched group; chunks after equal cached
+    prefixes too; outputs equal each sequence alone."""
+    seqs = [_ids(10, 20 + i) for i in range(3)] + [_ids(12, 30 + i) for i in range(2)]
+    cached = [0, 0, 0, 5, 5]
+    cache = model.allocate_kv_cache(80)
+    perm = torch.randperm(80, generator=torch.Generator().manual_seed(12))
+    slots, start = [], 0
+    for s in seqs:
+        slots.append(perm[start : start + len(s)])
+        start += len(s)
+    for s, sl, c in zip(seqs, slots, cached):
+        if c:
+            model(torch.tensor(s[:c]), AttentionMetadata.build([SequenceChunk(sl[:c], c)]), cache)
+    meta = AttentionMetadata.build(
+        [SequenceChunk(sl, len(s) - c) for s, sl, c in zip(seqs, slots, cached)]
+    )
+    assert [(g.batch_size, g.query_len) for g in meta.groups] == [(3, 10), (2, 7)]
+    new_ids = torch.tensor([t for s, c in zip(seqs, cached) for t in s[c:]])
+    for path in ("absorbed", "expanded"):
+        batched = model.logits(model(new_ids, meta, cache, path))
+        offset = 0
+        for s, c in zip(seqs, cached):
+            alone = prefill_logits(model, s, "expanded")[c:]
+            n = len(s) - c
+            assert (batched[offset : offset + n] - alone).abs().max().item() <= TOL, path
+            offset += n

@@ -154,7 +154,8 @@ class MultiHeadLatentAttention(nn.Module):
             if q_len == 1:
                 mask = mask[:, None]
             else:
-                mask = mask[:, None, :, None].expand(-1, -1, -1, h, -1).reshape(b, 1, -1, length)
+                m = mask.shape[0]  # 1 when the mask is shared by the group's sequences
+                mask = mask[:, None, :, None].expand(-1, -1, -1, h, -1).reshape(m, 1, -1, length)
         kv = context[:, None]  # [B, 1, L, kv_lora + rope]
         out = F.scaled_dot_product_attention(
             q_full.view(b, 1, q_len * h, d), kv, kv, attn_mask=mask, scale=self.scale

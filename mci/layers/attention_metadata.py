@@ -9,7 +9,9 @@ Ragged, not padded: attention runs per *group*, and a group never pads a query.
 
 * the decode group: every sequence with q_b = 1, attended together as [B_d, 1, L] (contexts
   padded to the longest, keys masked);
-* one group per prefill chunk (q_b > 1): [1, q_b, L_b], alone, with no padding at all.
+* prefill chunks (q_b > 1) grouped by shape: the chunks with the same (q, L) attend together
+  as [B_s, q, L] with no padding at all (a burst of equal prompts is one batched call); a
+  chunk of its own shape attends alone.
 
 A mixed step (one 256-token prefill beside 15 decodes) thus costs its tokens' work, not
 16 x 256 padded query rows.
@@ -46,7 +48,7 @@ class SequenceChunk:
 @dataclass(frozen=True)
 class AttentionGroup:
     """Sequences attended together as one [batch_size, query_len, L] batch with no query
-    padding: all decodes (query_len 1), or a single sequence's chunk.
+    padding: all decodes (query_len 1), or prefill chunks of one shape.
 
     `rows` are the group's tokens in the step's flat layout, in [batch_size * query_len]
     order: a slice when they are contiguous, else an index tensor.
@@ -91,9 +93,14 @@ class AttentionMetadata:
         decodes = [b for b, q in enumerate(q_lens) if q == 1]
         groups = []
         if decodes:
-            groups.append(_decode_group(chunks, decodes, starts, ctx_lens, offset, device))
+            groups.append(_decode_group(chunks, decodes, starts, ctx_lens, device))
+        shapes: dict[tuple[int, int], list[int]] = {}
+        for b, q in enumerate(q_lens):
+            if q > 1:
+                shapes.setdefault((q, ctx_lens[b]), []).append(b)
         groups += [
-            _prefill_group(chunks[b], starts[b], device) for b, q in enumerate(q_lens) if q > 1
+            _prefill_group([chunks[b] for b in seqs], [starts[b] for b in seqs], device)
+            for seqs in shapes.values()
         ]
         if len(chunks) == 1:
             (chunk,) = chunks
@@ -114,27 +121,38 @@ class AttentionMetadata:
         )
 
 
-def _decode_group(chunks, decodes, starts, ctx_lens, num_tokens, device) -> AttentionGroup:
+def _rows(rows: list[int], per_row: int, device) -> slice | torch.Tensor:
+    """Flat rows of sequences starting at `rows`, `per_row` tokens each: a slice when they are
+    back to back, else an index tensor in sequence-major order."""
+    if rows == list(range(rows[0], rows[0] + per_row * len(rows), per_row)):
+        return slice(rows[0], rows[0] + per_row * len(rows))
+    index = torch.tensor(rows)[:, None] + torch.arange(per_row)[None, :]
+    return index.flatten().to(device)
+
+
+def _stack_slots(chunks: list[SequenceChunk], length: int) -> torch.Tensor:
+    """[B, length] context slots, each sequence's padded with slot 0."""
+    if len(chunks) == 1:
+        return chunks[0].kv_slots[None]
+    if all(int(c.kv_slots.shape[0]) == length for c in chunks):
+        return torch.stack([c.kv_slots for c in chunks])
+    kv_slots = torch.zeros(len(chunks), length, dtype=torch.long)
+    for i, c in enumerate(chunks):
+        kv_slots[i, : c.kv_slots.shape[0]] = c.kv_slots
+    return kv_slots
+
+
+def _decode_group(chunks, decodes, starts, ctx_lens, device) -> AttentionGroup:
     """Every one-token sequence of the step, as one [B_d, 1, L] batch."""
     lens = [ctx_lens[b] for b in decodes]
     max_l = max(lens)
-    if len(decodes) == 1:
-        kv_slots = chunks[decodes[0]].kv_slots[None]
-    else:
-        kv_slots = torch.zeros(len(decodes), max_l, dtype=torch.long)
-        for i, b in enumerate(decodes):
-            kv_slots[i, : lens[i]] = chunks[b].kv_slots
+    kv_slots = _stack_slots([chunks[b] for b in decodes], max_l)
     mask = None
     if min(lens) != max_l:  # pad keys beyond a sequence's context are masked out
         mask = (torch.arange(max_l)[None, :] < torch.tensor(lens)[:, None])[:, None, :]
         mask = mask.to(device)
-    rows = [starts[b] for b in decodes]
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        row_index: slice | torch.Tensor = slice(rows[0], rows[0] + len(rows))
-    else:
-        row_index = torch.tensor(rows, device=device)
     return AttentionGroup(
-        rows=row_index,
+        rows=_rows([starts[b] for b in decodes], 1, device),
         batch_size=len(decodes),
         query_len=1,
         kv_slots=kv_slots.to(device=device, dtype=torch.long),
@@ -146,19 +164,20 @@ def _decode_group(chunks, decodes, starts, ctx_lens, num_tokens, device) -> Atte
     )
 
 
-def _prefill_group(chunk: SequenceChunk, start: int, device) -> AttentionGroup:
-    """One sequence's chunk of q > 1 tokens, alone: [1, q, L]."""
-    q, length = chunk.num_new, int(chunk.kv_slots.shape[0])
-    # query i sits at position L - q + i and sees keys 0 .. L - q + i
+def _prefill_group(chunks: list[SequenceChunk], starts: list[int], device) -> AttentionGroup:
+    """Chunks of one shape (q > 1 new tokens, context L), together: [B, q, L]."""
+    q, length, b = chunks[0].num_new, int(chunks[0].kv_slots.shape[0]), len(chunks)
+    # query i sits at position L - q + i and sees keys 0 .. L - q + i (the same for every
+    # sequence of the group: [1, q, L] broadcasts over the batch)
     mask = (torch.arange(length)[None, :] <= torch.arange(length - q, length)[:, None])[None]
     return AttentionGroup(
-        rows=slice(start, start + q),
-        batch_size=1,
+        rows=_rows(starts, q, device),
+        batch_size=b,
         query_len=q,
-        kv_slots=chunk.kv_slots[None].to(device=device, dtype=torch.long),
+        kv_slots=_stack_slots(chunks, length).to(device=device, dtype=torch.long),
         mask=mask.to(device),
         causal=q == length,
-        sum_query_len=q,
-        sum_query_times_context=q * length,
-        sum_context=length,
+        sum_query_len=b * q,
+        sum_query_times_context=b * q * length,
+        sum_context=b * length,
     )
