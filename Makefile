@@ -41,7 +41,7 @@ test-lm-eval: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check mci tests scripts benchmarks
-	$(PY) -m ruff format --check mci tests scripts
+	$(PY) -m ruff format --check mci tests scripts benchmarks
 
 bench: $(VENV)/.installed
 	$(PY) scripts/bench_decode.py
