@@ -90,12 +90,12 @@ def run_batch(engine: Engine, input_path: Path, output_path: Path, model_name: s
                 raise UserError("'stream' is not supported in a batch")
             with protocol.reported_as(names):  # every prompt is checked before any is queued
                 encoded = [engine.front.encode(p) for p in texts]
-                for ids in encoded:
-                    engine.front.check(ids, job.params)
+                planned = [
+                    engine.front.requests(f"batch-{i}-{k}", ids, job.params)
+                    for k, ids in enumerate(encoded)
+                ]
             job.prompts = list(zip(texts, encoded, strict=True))
-            for k, ids in enumerate(encoded):
-                rid = f"batch-{i}-{k}"
-                job.sample_ids.append(engine.add_request(ids, job.params, sink, rid))
+            job.sample_ids = [engine.submit_requests(reqs, sink) for reqs in planned]
         except UserError as exc:
             job.error = str(exc)
         wanted += [r for rids in job.sample_ids for r in rids]

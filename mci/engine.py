@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from mci.core.outputs import RequestOutput
+from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
 from mci.engine_assembly import assemble
 from mci.engine_config import EngineConfig
@@ -79,9 +80,6 @@ class Engine:
             self._thread.start()
 
     # ---- requests ---------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        return self.front.encode(prompt)
-
     def add_request(
         self,
         prompt: str | list[int],
@@ -95,11 +93,16 @@ class Engine:
 
         Returns the sample request ids (`id` for n = 1, `id-0 .. id-(n-1)` otherwise).
         """
-        if self._stopped.is_set():
-            raise RuntimeError("engine is shut down")
         base = request_id or f"req-{uuid.uuid4().hex[:12]}"
         ids = self.front.encode(prompt)
-        reqs = self.front.requests(base, ids, params, priority, timeout_s)
+        return self.submit_requests(
+            self.front.requests(base, ids, params, priority, timeout_s), sink
+        )
+
+    def submit_requests(self, reqs: list[Request], sink: Sink) -> list[str]:
+        """Queue requests made by `self.front.requests` (already checked); returns their ids."""
+        if self._stopped.is_set():
+            raise RuntimeError("engine is shut down")
         self._inbox.put(AddRequests(reqs, sink))
         return [r.request_id for r in reqs]
 
@@ -126,12 +129,16 @@ class Engine:
                     cond.notify_all()
 
         encoded = [self.front.encode(p) for p in prompts]
-        for ids in encoded:  # every prompt is checked before any is queued
-            self.front.check(ids, params)
-        submitted = []
-        for ids in encoded:
-            base = f"gen-{next(self._ids)}"
-            submitted.append((base, self.add_request(ids, params, sink, base, 0, timeout_s)))
+        bases = [f"gen-{next(self._ids)}" for _ in encoded]
+        # every prompt is checked (front.requests) before any is queued
+        planned = [
+            self.front.requests(base, ids, params, 0, timeout_s)
+            for base, ids in zip(bases, encoded, strict=True)
+        ]
+        submitted = [
+            (base, self.submit_requests(reqs, sink))
+            for base, reqs in zip(bases, planned, strict=True)
+        ]
         wanted = [rid for _, rids in submitted for rid in rids]
         with cond:
             self.run_until(lambda: all(r in done for r in wanted), cond)

@@ -39,13 +39,11 @@ def test_stepwise_decode_paths_equal_prefill(model, first_chunk):
         assert (step - full).abs().max().item() <= TOL, path
 
 
-def test_mixed_batch_equals_each_alone(model):
-    """Three sequences in one forward (a fresh prefill, a chunk after a cached prefix, a decode)
-    give the logits each gets alone, with scattered, non-contiguous cache slots."""
-    seqs = [_ids(11, 2), _ids(17, 3), _ids(6, 4)]
-    cached = [0, 9, 5]  # tokens already in cache before the batched step
-    cache = model.allocate_kv_cache(64)
-    perm = torch.randperm(64, generator=torch.Generator().manual_seed(5))
+def _batched_step(model, seqs, cached, num_slots, seed):
+    """Cache each sequence's first `cached` tokens at scattered slots (one forward each), then
+    build one step computing every sequence's remaining tokens: (meta, new ids, cache)."""
+    cache = model.allocate_kv_cache(num_slots)
+    perm = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed))
     slots, start = [], 0
     for s in seqs:
         slots.append(perm[start : start + len(s)])
@@ -56,8 +54,13 @@ def test_mixed_batch_equals_each_alone(model):
             model(torch.tensor(s[:c]), meta, cache, "expanded")
     chunks = [SequenceChunk(sl, len(s) - c) for s, sl, c in zip(seqs, slots, cached)]
     new_ids = torch.tensor([t for s, c in zip(seqs, cached) for t in s[c:]])
-    meta = AttentionMetadata.build(chunks)
-    for path in ("absorbed", "expanded"):
+    return AttentionMetadata.build(chunks), new_ids, cache
+
+
+def _check_each_alone(model, seqs, cached, step, paths):
+    """The batched step gives every sequence the logits it gets alone, on each path."""
+    meta, new_ids, cache = step
+    for path in paths:
         batched = model.logits(model(new_ids, meta, cache, path))
         offset = 0
         for s, c in zip(seqs, cached):
@@ -65,6 +68,15 @@ def test_mixed_batch_equals_each_alone(model):
             n = len(s) - c
             assert (batched[offset : offset + n] - alone).abs().max().item() <= TOL, path
             offset += n
+
+
+def test_mixed_batch_equals_each_alone(model):
+    """Three sequences in one forward (a fresh prefill, a chunk after a cached prefix, a decode)
+    give the logits each gets alone, with scattered, non-contiguous cache slots."""
+    seqs = [_ids(11, 2), _ids(17, 3), _ids(6, 4)]
+    cached = [0, 9, 5]  # tokens already in cache before the batched step
+    step = _batched_step(model, seqs, cached, 64, seed=5)
+    _check_each_alone(model, seqs, cached, step, ("absorbed", "expanded"))
 
 
 @pytest.mark.parametrize("size", ["small", "reference"])
@@ -88,29 +100,11 @@ def test_ragged_groups_interleaved_decodes_equal_each_alone(model):
     rows are not contiguous) and two prefill chunks: each sequence gets its solo logits."""
     seqs = [_ids(9, 6), _ids(20, 7), _ids(5, 8), _ids(14, 9), _ids(12, 10)]
     cached = [8, 0, 4, 6, 11]  # decode, fresh prefill, decode, chunk after a prefix, decode
-    cache = model.allocate_kv_cache(96)
-    perm = torch.randperm(96, generator=torch.Generator().manual_seed(11))
-    slots, start = [], 0
-    for s in seqs:
-        slots.append(perm[start : start + len(s)])
-        start += len(s)
-    for s, sl, c in zip(seqs, slots, cached):
-        if c:
-            meta = AttentionMetadata.build([SequenceChunk(sl[:c], c)])
-            model(torch.tensor(s[:c]), meta, cache, "expanded")
-    chunks = [SequenceChunk(sl, len(s) - c) for s, sl, c in zip(seqs, slots, cached)]
-    meta = AttentionMetadata.build(chunks)
+    step = _batched_step(model, seqs, cached, 96, seed=11)
+    meta = step[0]
     assert len(meta.groups) == 3 and meta.groups[0].batch_size == 3  # decodes, then 2 prefills
     assert not isinstance(meta.groups[0].rows, slice)
-    new_ids = torch.tensor([t for s, c in zip(seqs, cached) for t in s[c:]])
-    for path in ("auto", "absorbed", "expanded"):
-        batched = model.logits(model(new_ids, meta, cache, path))
-        offset = 0
-        for s, c in zip(seqs, cached):
-            alone = prefill_logits(model, s, "expanded")[c:]
-            n = len(s) - c
-            assert (batched[offset : offset + n] - alone).abs().max().item() <= TOL, path
-            offset += n
+    _check_each_alone(model, seqs, cached, step, ("auto", "absorbed", "expanded"))
 
 
 def test_equal_shaped_prefills_attend_as_one_group(model):
@@ -118,25 +112,6 @@ def test_equal_shaped_prefills_attend_as_one_group(model):
     prefixes too; outputs equal each sequence alone."""
     seqs = [_ids(10, 20 + i) for i in range(3)] + [_ids(12, 30 + i) for i in range(2)]
     cached = [0, 0, 0, 5, 5]
-    cache = model.allocate_kv_cache(80)
-    perm = torch.randperm(80, generator=torch.Generator().manual_seed(12))
-    slots, start = [], 0
-    for s in seqs:
-        slots.append(perm[start : start + len(s)])
-        start += len(s)
-    for s, sl, c in zip(seqs, slots, cached):
-        if c:
-            model(torch.tensor(s[:c]), AttentionMetadata.build([SequenceChunk(sl[:c], c)]), cache)
-    meta = AttentionMetadata.build(
-        [SequenceChunk(sl, len(s) - c) for s, sl, c in zip(seqs, slots, cached)]
-    )
-    assert [(g.batch_size, g.query_len) for g in meta.groups] == [(3, 10), (2, 7)]
-    new_ids = torch.tensor([t for s, c in zip(seqs, cached) for t in s[c:]])
-    for path in ("absorbed", "expanded"):
-        batched = model.logits(model(new_ids, meta, cache, path))
-        offset = 0
-        for s, c in zip(seqs, cached):
-            alone = prefill_logits(model, s, "expanded")[c:]
-            n = len(s) - c
-            assert (batched[offset : offset + n] - alone).abs().max().item() <= TOL, path
-            offset += n
+    step = _batched_step(model, seqs, cached, 80, seed=12)
+    assert [(g.batch_size, g.query_len) for g in step[0].groups] == [(3, 10), (2, 7)]
+    _check_each_alone(model, seqs, cached, step, ("absorbed", "expanded"))
