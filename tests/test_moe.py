@@ -46,3 +46,37 @@ def test_group_limit_restricts_experts_to_top_groups(checkpoint):
     per_group = gate.num_experts // gate.n_group
     groups_used = [len(set((row // per_group).tolist())) for row in ids]
     assert max(groups_used) <= gate.topk_group
+
+
+def _both_expert_paths(experts, x, weights, ids):
+    """The routed experts' output through the grouped path and through the looped one."""
+    def not_looped(*args):
+        raise AssertionError("the grouped path was expected")
+
+    experts._looped = not_looped
+    try:
+        grouped = experts(x, weights, ids)
+    finally:
+        del experts._looped
+    saved = experts.GROUPED_MIN_ACTIVE
+    experts.GROUPED_MIN_ACTIVE = 2.0  # more than every expert: always loop
+    try:
+        looped = experts(x, weights, ids)
+    finally:
+        experts.GROUPED_MIN_ACTIVE = saved
+    return grouped, looped
+
+
+def test_grouped_and_looped_experts_agree_bitwise(checkpoint):
+    """A token's expert output must not depend on which path its step took (batched = solo)."""
+    for dtype, pack in (("bfloat16", True), ("bfloat16", False), ("float32", False)):
+        model = load_model(checkpoint(dtype="bfloat16"), dtype)
+        if pack:
+            model.pack_for_cpu()
+        moe = model.model.layers[1].mlp
+        for tokens in (64, 300):  # every expert active: the grouped path is taken
+            x = torch.randn(tokens, model.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+            weights, ids = moe.gate(x)
+            assert ids.unique().numel() == moe.gate.num_experts
+            grouped, looped = _both_expert_paths(moe.experts, x.to(model.dtype), weights, ids)
+            assert torch.equal(grouped, looped), (dtype, pack, tokens)

@@ -28,3 +28,31 @@ def test_float32_float16_and_fp8_weights_are_never_packed(checkpoint):
         for m in model.modules()
         if hasattr(m, "weight_scale_inv")  # FP8 linears keep one byte per parameter
     )
+
+
+def test_bucket_rows_bounds_the_shapes_and_the_padding():
+    from mci.layers.linear import bucket_rows
+
+    buckets = {bucket_rows(m) for m in range(1, 8193)}
+    assert len(buckets) <= 72  # oneDNN compiles one kernel per shape: keep them few
+    for m in range(1, 8193):
+        b = bucket_rows(m)
+        assert m <= b and bucket_rows(b) == b
+        assert b == m if m <= 16 else b - m < 16 if m <= 256 else b <= m * 1.125
+
+
+def test_padded_rows_do_not_change_the_rows_kept():
+    from mci.layers.linear import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(512, (384, 32), torch.bfloat16)
+    layer.weight.data.normal_()
+    x = torch.randn(700, 512, dtype=torch.bfloat16)
+    assert layer.pack_for_cpu()
+
+    def unpadded(rows):
+        return torch.ops.mkldnn._linear_pointwise(x[:rows], layer._packed[0], None, "none", [], "")
+
+    for rows in (1, 5, 17, 100, 257, 700):  # exact, and padded in every bucket range
+        assert torch.equal(layer(x[:rows]), unpadded(rows))
+    assert torch.equal(layer(x[:60].view(3, 20, 512)), unpadded(60).view(3, 20, -1))

@@ -27,7 +27,7 @@ from torch import nn
 
 from mci.config import ModelConfig
 from mci.layers.attention_metadata import AttentionGroup, AttentionMetadata
-from mci.layers.linear import Linear, make_linear
+from mci.layers.linear import Linear, make_linear, pad_rows
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import apply_rope
 
@@ -141,8 +141,10 @@ class MultiHeadLatentAttention(nn.Module):
         length = context.shape[1]
         w_uk, w_uv_t = self._absorb_weights(q_nope.dtype)
         # q_lat[n, h] = W_UK_h^T q_nope[n, h]: [H, N, nope] @ [H, nope, kv_lora] -> [N, H, kv_lora]
-        q_flat = q_nope.reshape(b * q_len, h, -1)
-        q_lat = torch.bmm(q_flat.transpose(0, 1), w_uk).transpose(0, 1)
+        # (rows padded to a bucketed count: see `bucket_rows`)
+        n = b * q_len
+        q_flat = pad_rows(q_nope.reshape(n, h, -1))
+        q_lat = torch.bmm(q_flat.transpose(0, 1), w_uk).transpose(0, 1)[:n]
         q_full = torch.cat((q_lat, q_rope.reshape(b * q_len, h, -1)), dim=-1)  # [N, H, D]
         d = q_full.shape[-1]
         # All heads share the single latent key/value, so the Q*H (query, head) pairs attend as
@@ -162,7 +164,7 @@ class MultiHeadLatentAttention(nn.Module):
         )  # [B, 1, Q*H, kv_lora + rope]
         out_lat = out.view(b * q_len, h, d)[..., : self.kv_lora_rank]
         # out[n, h] = W_UV_h out_lat[n, h]: [H, N, kv_lora] @ [H, kv_lora, v] -> [N, H, v]
-        out = torch.bmm(out_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
+        out = torch.bmm(pad_rows(out_lat).transpose(0, 1), w_uv_t).transpose(0, 1)[:n]
         return out.reshape(b, q_len, h, self.v_dim)
 
     def _expanded(self, q_nope, q_rope, context, group: AttentionGroup) -> torch.Tensor:

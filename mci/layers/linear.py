@@ -17,7 +17,14 @@ dequantisation is one gather and one multiply whatever the parts' alignment.
 On the CPU an engine packs bf16 weights once into oneDNN's blocked layout
 (`pack_for_cpu`). aten's own bf16 matmul goes through oneDNN too but re-lays the weight out on
 every call, which halves its speed at decode sizes; the packed matmul gives bitwise the same
-result (tested). float32 and float16 stay on aten, whose kernels sum in another order.
+result at the sizes tested (a few dozen rows; with more rows the two may pick kernels that sum
+in another order). float32 and float16 stay on aten, whose kernels sum in another order.
+
+oneDNN JIT-compiles a kernel for every new (rows, out, in) shape it sees, which costs 1-9 ms
+each time: more than the matmul itself at serving sizes, where the number of rows (tokens in a
+step, or tokens routed to one expert) is different almost every step. So the CPU matmuls run at
+a bounded set of row counts (`bucket_rows`), padding the input with zero rows and dropping
+their outputs; each output row depends only on its input row, so the rows kept are unchanged.
 """
 
 from __future__ import annotations
@@ -47,6 +54,25 @@ def quantize_fp8_blocks(
     q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = q.view(nbo * bo, nbi * bi)[:out_dim, :in_dim].to(FP8_DTYPE)
     return q.contiguous(), scale_inv.contiguous()
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a CPU matmul over `rows` rows runs at: exact up to 16 (decode steps and
+    small expert batches), a multiple of 16 up to 256, then 8 sizes per doubling (at most 1/8
+    padding): 71 shapes in all up to 8,192 rows."""
+    if rows <= 16:
+        return rows
+    step = 16 if rows <= 256 else 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, ...] with zero rows appended up to `bucket_rows(rows)` (x itself when exact)."""
+    rows = x.shape[0]
+    extra = bucket_rows(rows) - rows
+    if not extra:
+        return x
+    return torch.cat((x, x.new_zeros((extra,) + x.shape[1:])))
 
 
 class Linear(nn.Module):
@@ -118,7 +144,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
         if self._packed is not None and x.dtype == self.weight.dtype and not x.requires_grad:
             packed = self._packed[0 if expert is None else expert]
-            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            x2d = x.reshape(-1, x.shape[-1])
+            out = torch.ops.mkldnn._linear_pointwise(pad_rows(x2d), packed, None, "none", [], "")
+            return out[: x2d.shape[0]].view(x.shape[:-1] + out.shape[-1:])
         return F.linear(x, self.dense_weight(x.dtype, expert))
 
 
