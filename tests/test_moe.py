@@ -50,6 +50,7 @@ def test_group_limit_restricts_experts_to_top_groups(checkpoint):
 
 def _both_expert_paths(experts, x, weights, ids):
     """The routed experts' output through the grouped path and through the looped one."""
+
     def not_looped(*args):
         raise AssertionError("the grouped path was expected")
 
@@ -75,7 +76,9 @@ def test_grouped_and_looped_experts_agree_bitwise(checkpoint):
             model.pack_for_cpu()
         moe = model.model.layers[1].mlp
         for tokens in (64, 300):  # every expert active: the grouped path is taken
-            x = torch.randn(tokens, model.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+            x = torch.randn(
+                tokens, model.cfg.hidden_size, generator=torch.Generator().manual_seed(2)
+            )
             weights, ids = moe.gate(x)
             assert ids.unique().numel() == moe.gate.num_experts
             grouped, looped = _both_expert_paths(moe.experts, x.to(model.dtype), weights, ids)
