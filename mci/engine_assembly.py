@@ -14,6 +14,7 @@ from mci.cache.sizing import kv_pool_tokens
 from mci.cache.slot_pool import SlotPool
 from mci.engine_config import EngineConfig
 from mci.engine_core import EngineCore
+from mci.errors import UserError
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.loader import load_model
 from mci.request_front import RequestFront
@@ -85,4 +86,12 @@ def build_engine_core(
     kv_cache = model.allocate_kv_cache(num_slots, device, with_mtp)
     if device.type == "cpu":
         log.info("packed %d linear layers for oneDNN", model.pack_for_cpu())
+    if config.model.deterministic or model.batch_invariant:  # a shared model may have it on
+        try:
+            model.set_batch_invariant(config.model.deterministic)
+        except ValueError as exc:
+            raise UserError(f"--deterministic: {exc}") from None
+        log.info(
+            "deterministic (batch-invariant) inference %s", "on" if model.batch_invariant else "off"
+        )
     return EngineCore(scheduler, ModelRunner(model, kv_cache, eos_ids), config.check_integrity)

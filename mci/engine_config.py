@@ -19,8 +19,9 @@ from mci.errors import UserError
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default-model"
 
 
-def _opt(default, help: str, choices=None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _opt(default, help: str, choices=None, aliases: tuple[str, ...] = ()):
+    """A config field with its CLI help; `aliases` are other flags for it (peers' spellings)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,13 @@ class ModelPlacement:
         ["auto", "bfloat16", "float16", "float32"],
     )
     device: str = _opt("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+    deterministic: bool = _opt(
+        False,
+        "batch-invariant inference: each request's outputs and logprobs bit-identical whatever "
+        "else is batched with it, its prefill chunking or its prefix cache hits (bf16 on the "
+        "CPU); also spelled --enable-deterministic-inference",
+        aliases=("--enable-deterministic-inference",),
+    )
 
 
 @dataclass(frozen=True)
@@ -113,14 +121,15 @@ def add_config_args(parser: argparse.ArgumentParser, sections=tuple(SECTIONS)) -
     for cls in (ALL_SECTIONS[name] for name in sections):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             tp = _arg_type(hints[f.name])
             help_text, choices = f.metadata["help"], f.metadata.get("choices")
             if tp is bool:
-                parser.add_argument(flag, action="store_true", help=help_text)
+                parser.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
             else:
                 parser.add_argument(
-                    flag,
+                    *flags,
+                    dest=f.name,
                     type=tp,
                     default=f.default,
                     choices=choices,

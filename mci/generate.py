@@ -76,7 +76,9 @@ def generate(
 
     start = time.perf_counter()
     meta = AttentionMetadata.build(
-        [SequenceChunk(slots[: len(prompt_ids)], len(prompt_ids))], device
+        [SequenceChunk(slots[: len(prompt_ids)], len(prompt_ids))],
+        device,
+        model.attention_key_multiple,
     )
     ids = torch.tensor(prompt_ids, device=device)
     hidden = model(ids, meta, cache, attention_path)
@@ -89,7 +91,9 @@ def generate(
     length = len(prompt_ids)
     while finish == "length" and len(out) < max_new_tokens:
         length += 1
-        meta = AttentionMetadata.build([SequenceChunk(slots[:length], 1)], device)
+        meta = AttentionMetadata.build(
+            [SequenceChunk(slots[:length], 1)], device, model.attention_key_multiple
+        )
         hidden = model(token, meta, cache, attention_path)
         token = next_token(model.logits(hidden))
         out.append(int(token))

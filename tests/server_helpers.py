@@ -21,12 +21,12 @@ def free_port() -> int:
 class LiveServer:
     """`mci serve` in a subprocess; `url` is its base URL. Use as a context manager."""
 
-    def __init__(self, model_path, *flags: str, startup_s: float = 120):
+    def __init__(self, model_path, *flags: str, startup_s: float = 120, dtype: str = "float32"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "mci", "serve", "--port", str(self.port), *flags]
         if model_path is not None:  # None: the bundled default model, as `make run` serves
-            cmd += ["--model-path", str(model_path), "--dtype", "float32"]
+            cmd += ["--model-path", str(model_path), "--dtype", dtype]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

@@ -78,10 +78,20 @@ class Request:
         self.bias_ids = torch.tensor([t for t, _ in self.params.logit_bias], dtype=torch.long)
         self.bias_values = torch.tensor([b for _, b in self.params.logit_bias])
         self.generator = torch.Generator()
-        if self.params.seed is not None:
-            self.generator.manual_seed(self.params.seed)
-        else:
-            self.generator.seed()
+        # Drawn once: an unseeded request samples from a random seed of its own.
+        self.sample_seed = (
+            self.params.seed if self.params.seed is not None else self.generator.seed()
+        )
+
+    def generator_for_next_token(self) -> torch.Generator:
+        """The random stream of the output token about to be drawn: a function of the seed and
+        of that token's position only, so a seeded request draws the same tokens whatever its
+        batch, however often it was preempted, and wherever it resumes (a draw never depends on
+        how many draws came before)."""
+        position = len(self.output_ids)
+        # splitmix64-style mixing: nearby (seed, position) pairs get unrelated streams
+        mixed = (self.sample_seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % 2**64
+        return self.generator.manual_seed((mixed ^ (mixed >> 31)) % 2**63)
 
     def append_token(self, token_id: int) -> None:
         """Record a generated token (it has no latent in the cache yet)."""

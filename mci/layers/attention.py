@@ -27,9 +27,15 @@ from torch import nn
 
 from mci.config import ModelConfig
 from mci.layers.attention_metadata import AttentionGroup, AttentionMetadata
-from mci.layers.linear import Linear, make_linear, pad_rows
+from mci.layers.linear import BATCH_INVARIANT_ROWS, Linear, fixed_rows, make_linear, pad_rows
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import apply_rope
+
+# Batch-invariant attention pads each group's keys to a multiple of this (masked): SDPA's CPU
+# kernel handles a key tail shorter than its 16-wide vectors apart, which changes a query's
+# result with the padded length; over whole multiples of 16 it does not (measured: a query's
+# output is bitwise the same for key lengths 16..2,048 padded from 7 or 300 real keys).
+ATTENTION_KEY_MULTIPLE = 16
 
 
 def choose_absorbed(cfg: ModelConfig, meta: AttentionMetadata | AttentionGroup) -> bool:
@@ -74,6 +80,21 @@ class MultiHeadLatentAttention(nn.Module):
         )
         self.o_proj = make_linear(h * self.v_dim, hidden, dtype, fp8_block)
         self._absorb_cache: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.fixed_rows: int | None = None  # rows per batched matmul, for batch invariance
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        self.fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
+
+    def _per_head(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H, a] @ weights [H, a, b] -> [N, H, b], one batched matmul over the heads, at
+        bucketed row counts (or fixed ones: batch invariance)."""
+
+        def bmm(rows: torch.Tensor) -> torch.Tensor:
+            return torch.bmm(rows.transpose(0, 1), weights).transpose(0, 1)
+
+        if self.fixed_rows is not None:
+            return fixed_rows(bmm, x, self.fixed_rows)
+        return bmm(pad_rows(x))[: x.shape[0]]
 
     def forward(
         self,
@@ -141,10 +162,7 @@ class MultiHeadLatentAttention(nn.Module):
         length = context.shape[1]
         w_uk, w_uv_t = self._absorb_weights(q_nope.dtype)
         # q_lat[n, h] = W_UK_h^T q_nope[n, h]: [H, N, nope] @ [H, nope, kv_lora] -> [N, H, kv_lora]
-        # (rows padded to a bucketed count: see `bucket_rows`)
-        n = b * q_len
-        q_flat = pad_rows(q_nope.reshape(n, h, -1))
-        q_lat = torch.bmm(q_flat.transpose(0, 1), w_uk).transpose(0, 1)[:n]
+        q_lat = self._per_head(q_nope.reshape(b * q_len, h, -1), w_uk)
         q_full = torch.cat((q_lat, q_rope.reshape(b * q_len, h, -1)), dim=-1)  # [N, H, D]
         d = q_full.shape[-1]
         # All heads share the single latent key/value, so the Q*H (query, head) pairs attend as
@@ -164,7 +182,7 @@ class MultiHeadLatentAttention(nn.Module):
         )  # [B, 1, Q*H, kv_lora + rope]
         out_lat = out.view(b * q_len, h, d)[..., : self.kv_lora_rank]
         # out[n, h] = W_UV_h out_lat[n, h]: [H, N, kv_lora] @ [H, kv_lora, v] -> [N, H, v]
-        out = torch.bmm(pad_rows(out_lat).transpose(0, 1), w_uv_t).transpose(0, 1)[:n]
+        out = self._per_head(out_lat, w_uv_t)
         return out.reshape(b, q_len, h, self.v_dim)
 
     def _expanded(self, q_nope, q_rope, context, group: AttentionGroup) -> torch.Tensor:

@@ -79,8 +79,15 @@ class AttentionMetadata:
     sum_context: int
 
     @staticmethod
-    def build(chunks: list[SequenceChunk], device: torch.device | str = "cpu") -> AttentionMetadata:
-        """Build the step's tensors from per-sequence slot tensors (Python work is O(B))."""
+    def build(
+        chunks: list[SequenceChunk], device: torch.device | str = "cpu", key_multiple: int = 1
+    ) -> AttentionMetadata:
+        """Build the step's tensors from per-sequence slot tensors (Python work is O(B)).
+
+        `key_multiple` > 1 pads every group's key length up to a multiple of it (the pad keys
+        masked out), so that a query's attention is computed over the same key blocks whatever
+        the other sequences of its group, the chunk it came in, or the step (see
+        `mci.layers.attention.ATTENTION_KEY_MULTIPLE`)."""
         q_lens = [c.num_new for c in chunks]
         ctx_lens = [int(c.kv_slots.shape[0]) for c in chunks]
         for b, (q, length) in enumerate(zip(q_lens, ctx_lens, strict=True)):
@@ -93,13 +100,15 @@ class AttentionMetadata:
         decodes = [b for b, q in enumerate(q_lens) if q == 1]
         groups = []
         if decodes:
-            groups.append(_decode_group(chunks, decodes, starts, ctx_lens, device))
+            groups.append(_decode_group(chunks, decodes, starts, ctx_lens, device, key_multiple))
         shapes: dict[tuple[int, int], list[int]] = {}
         for b, q in enumerate(q_lens):
             if q > 1:
                 shapes.setdefault((q, ctx_lens[b]), []).append(b)
         groups += [
-            _prefill_group([chunks[b] for b in seqs], [starts[b] for b in seqs], device)
+            _prefill_group(
+                [chunks[b] for b in seqs], [starts[b] for b in seqs], device, key_multiple
+            )
             for seqs in shapes.values()
         ]
         if len(chunks) == 1:
@@ -132,7 +141,7 @@ def _rows(rows: list[int], per_row: int, device) -> slice | torch.Tensor:
 
 def _stack_slots(chunks: list[SequenceChunk], length: int) -> torch.Tensor:
     """[B, length] context slots, each sequence's padded with slot 0."""
-    if len(chunks) == 1:
+    if len(chunks) == 1 and int(chunks[0].kv_slots.shape[0]) == length:
         return chunks[0].kv_slots[None]
     if all(int(c.kv_slots.shape[0]) == length for c in chunks):
         return torch.stack([c.kv_slots for c in chunks])
@@ -142,10 +151,14 @@ def _stack_slots(chunks: list[SequenceChunk], length: int) -> torch.Tensor:
     return kv_slots
 
 
-def _decode_group(chunks, decodes, starts, ctx_lens, device) -> AttentionGroup:
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _decode_group(chunks, decodes, starts, ctx_lens, device, key_multiple) -> AttentionGroup:
     """Every one-token sequence of the step, as one [B_d, 1, L] batch."""
     lens = [ctx_lens[b] for b in decodes]
-    max_l = max(lens)
+    max_l = _round_up(max(lens), key_multiple)
     kv_slots = _stack_slots([chunks[b] for b in decodes], max_l)
     mask = None
     if min(lens) != max_l:  # pad keys beyond a sequence's context are masked out
@@ -164,19 +177,20 @@ def _decode_group(chunks, decodes, starts, ctx_lens, device) -> AttentionGroup:
     )
 
 
-def _prefill_group(chunks: list[SequenceChunk], starts: list[int], device) -> AttentionGroup:
+def _prefill_group(chunks, starts: list[int], device, key_multiple: int) -> AttentionGroup:
     """Chunks of one shape (q > 1 new tokens, context L), together: [B, q, L]."""
     q, length, b = chunks[0].num_new, int(chunks[0].kv_slots.shape[0]), len(chunks)
+    padded = _round_up(length, key_multiple)
     # query i sits at position L - q + i and sees keys 0 .. L - q + i (the same for every
-    # sequence of the group: [1, q, L] broadcasts over the batch)
-    mask = (torch.arange(length)[None, :] <= torch.arange(length - q, length)[:, None])[None]
+    # sequence of the group: [1, q, L] broadcasts over the batch); pad keys are never seen
+    mask = (torch.arange(padded)[None, :] <= torch.arange(length - q, length)[:, None])[None]
     return AttentionGroup(
         rows=_rows(starts, q, device),
         batch_size=b,
         query_len=q,
-        kv_slots=_stack_slots(chunks, length).to(device=device, dtype=torch.long),
+        kv_slots=_stack_slots(chunks, padded).to(device=device, dtype=torch.long),
         mask=mask.to(device),
-        causal=q == length,
+        causal=q == length == padded,
         sum_query_len=b * q,
         sum_query_times_context=b * q * length,
         sum_context=b * length,

@@ -25,6 +25,15 @@ each time: more than the matmul itself at serving sizes, where the number of row
 step, or tokens routed to one expert) is different almost every step. So the CPU matmuls run at
 a bounded set of row counts (`bucket_rows`), padding the input with zero rows and dropping
 their outputs; each output row depends only on its input row, so the rows kept are unchanged.
+
+Batch invariance (`--deterministic`): oneDNN picks its matmul kernel by the shape, row count
+included, and kernels sum in different orders: at 48+ rows some rows of a packed bf16 matmul
+come out differently in the last bit than the same rows computed alone (measured on every
+projection of the `small` model), and even between 1 and 32 rows a batched matmul differs on
+rare inputs (2 rows in 1,600 on the `tiny` model's absorbed-attention shape). So a
+batch-invariant matmul always runs exactly `BATCH_INVARIANT_ROWS` rows per call (`fixed_rows`:
+split, the last part padded with zero rows): one kernel for every call, so a row's result
+cannot depend on what else shares its step.
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ def quantize_fp8_blocks(
     return q.contiguous(), scale_inv.contiguous()
 
 
+BATCH_INVARIANT_ROWS = 32
+
+
 def bucket_rows(rows: int) -> int:
     """The row count a CPU matmul over `rows` rows runs at: exact up to 16 (decode steps and
     small expert batches), a multiple of 16 up to 256, then 8 sizes per doubling (at most 1/8
@@ -66,13 +78,49 @@ def bucket_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, ...] with zero rows appended up to `bucket_rows(rows)` (x itself when exact)."""
-    rows = x.shape[0]
-    extra = bucket_rows(rows) - rows
+def pad_rows(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """x [n, ...] with zero rows appended up to `rows` (default `bucket_rows(n)`); x itself
+    when it has them already."""
+    n = x.shape[0]
+    extra = (bucket_rows(n) if rows is None else rows) - n
     if not extra:
         return x
     return torch.cat((x, x.new_zeros((extra,) + x.shape[1:])))
+
+
+def fixed_rows(fn, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """fn applied to x [n, ...] in calls of exactly `rows` rows (the last part padded with zero
+    rows), results concatenated and cut back to n rows. For a row-wise fn, row i's result then
+    never depends on how many rows x has (batch invariance)."""
+    n = x.shape[0]
+    parts = [fn(pad_rows(part, rows)) for part in x.split(rows)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out[:n]
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """x [..., in] @ a oneDNN-packed weight -> [..., out]: at bucketed row counts, or in calls
+    of exactly `rows` rows when given (batch invariance)."""
+    x2d = x.reshape(-1, x.shape[-1])
+
+    def matmul(part: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(part, packed, None, "none", [], "")
+
+    if rows is not None:
+        out = fixed_rows(matmul, x2d, rows)
+    else:
+        out = matmul(pad_rows(x2d))[: x2d.shape[0]]
+    return out.view(x.shape[:-1] + out.shape[-1:])
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether `pack_weight` applies: a CPU tensor with oneDNN available."""
+    return weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a CPU weight [out, in], for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 class Linear(nn.Module):
@@ -95,6 +143,7 @@ class Linear(nn.Module):
         weight = torch.empty(*lead, self.out_features, in_features, dtype=wdtype)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self._packed: list[torch.Tensor] | None = None  # oneDNN copy, per expert when stacked
+        self.fixed_rows: int | None = None  # rows per call, for batch invariance (see above)
         if fp8_block is None:
             return
         bo, bi = fp8_block
@@ -130,23 +179,16 @@ class Linear(nn.Module):
         FP8 stays one byte per parameter). Costs one more copy of the weight. Returns whether
         it packed."""
         w = self.weight
-        if (
-            w.dtype != torch.bfloat16
-            or w.device.type != "cpu"
-            or not torch.backends.mkldnn.is_available()
-        ):
+        if w.dtype != torch.bfloat16 or not can_pack(w):
             return False
         if self._packed is None:
-            rows = [w] if w.dim() == 2 else list(w)
-            self._packed = [torch.ops.mkldnn._reorder_linear_weight(r.detach(), None) for r in rows]
+            self._packed = [pack_weight(r) for r in ([w] if w.dim() == 2 else list(w))]
         return True
 
     def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
         if self._packed is not None and x.dtype == self.weight.dtype and not x.requires_grad:
             packed = self._packed[0 if expert is None else expert]
-            x2d = x.reshape(-1, x.shape[-1])
-            out = torch.ops.mkldnn._linear_pointwise(pad_rows(x2d), packed, None, "none", [], "")
-            return out[: x2d.shape[0]].view(x.shape[:-1] + out.shape[-1:])
+            return packed_linear(x, packed, self.fixed_rows)
         return F.linear(x, self.dense_weight(x.dtype, expert))
 
 

@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mci.config import ModelConfig
-from mci.layers.linear import Linear, bucket_rows
+from mci.layers.linear import (
+    BATCH_INVARIANT_ROWS,
+    Linear,
+    bucket_rows,
+    can_pack,
+    pack_weight,
+    packed_linear,
+)
 from mci.layers.mlp import GatedMLP
 
 
@@ -32,10 +39,25 @@ class TopKRouter(nn.Module):
         self.scaling = cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size), False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts), False)
+        self._packed: torch.Tensor | None = None
+        self._fixed_rows: int | None = None
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """With `enabled`, score through oneDNN's packed float32 matmul, which computes each
+        row as it would alone at any row count; aten's float32 matmul (MKL) does not for 2+
+        rows, and a last-bit change in a score can flip a near-tied expert choice."""
+        if enabled and not can_pack(self.weight):
+            raise ValueError("batch-invariant routing needs oneDNN on the CPU")
+        self._packed = pack_weight(self.weight) if enabled else None
+        self._fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, K] float32, expert ids [T, K] int64)."""
-        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
+        if self._packed is not None:
+            logits = packed_linear(x.float(), self._packed, self._fixed_rows)
+        else:
+            logits = F.linear(x.float(), self.weight)
+        scores = logits.sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
             grouped = choice.view(x.shape[0], self.n_group, -1)  # [T, G, E/G]
@@ -80,6 +102,10 @@ class RoutedExperts(nn.Module):
         self.num_experts = e
         self.gate_up_proj = Linear(h, (i, i), dtype, fp8_block, num_experts=e)  # [E, 2I, H]
         self.down_proj = Linear(i, (h,), dtype, fp8_block, num_experts=e)  # [E, H, I]
+        self.grouped = True  # off for batch invariance: one kernel per expert, the loop's
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        self.grouped = not enabled
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H], weights/ids: [T, K] -> sum_k weights[t,k] * expert_{ids[t,k]}(x[t]),
@@ -94,7 +120,8 @@ class RoutedExperts(nn.Module):
         capacity = bucket_rows(max(counts_list))
         active = sum(1 for c in counts_list if c)
         if (
-            self.gate_up_proj.block is None
+            self.grouped
+            and self.gate_up_proj.block is None
             and active >= self.GROUPED_MIN_ACTIVE * self.num_experts
             and capacity <= self.GROUPED_MAX_ROWS
             and capacity * self.num_experts <= self.GROUPED_MAX_PADDING * len(order)

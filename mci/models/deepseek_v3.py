@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from mci.config import ModelConfig
-from mci.layers.attention import choose_absorbed
+from mci.layers.attention import ATTENTION_KEY_MULTIPLE, MultiHeadLatentAttention, choose_absorbed
 from mci.layers.attention_metadata import AttentionMetadata
-from mci.layers.linear import Linear
+from mci.layers.linear import BATCH_INVARIANT_ROWS, Linear
+from mci.layers.moe import RoutedExperts, TopKRouter
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import RotaryEmbedding
 from mci.models.decoder_layer import DecoderLayer
@@ -53,6 +54,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
         num_mtp = cfg.num_mtp_layers if with_mtp else 0
         self.mtp = nn.ModuleList(MTPLayer(cfg, dtype) for _ in range(num_mtp))
+        self.batch_invariant = False  # see `set_batch_invariant`
 
     @property
     def num_cache_layers(self) -> int:
@@ -63,6 +65,41 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Pack every unquantised linear weight for oneDNN (see layers/linear.py) before
         serving on the CPU; returns how many layers were packed. Idempotent."""
         return sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """With `enabled`, compute every token's logits bit-identically whatever else shares
+        its step, the chunk its prompt came in, or whether its prefix was cached
+        (`--deterministic`):
+
+        * every matmul runs exactly `BATCH_INVARIANT_ROWS` rows per call (see `fixed_rows` in
+          layers/linear.py): the linears, the routers (through oneDNN's float32 matmul: aten's
+          picks another kernel for one row than for several), the absorbed attention's
+          batched matmuls; the routed experts always loop (the grouped batched matmul is
+          another kernel than the looped one);
+        * attention always takes the absorbed path (the expanded one rounds differently), over
+          keys padded to a multiple of `ATTENTION_KEY_MULTIPLE` (SDPA's CPU kernel sums a key
+          tail shorter than its vector width in another order);
+        * everything else is already row-wise: norms, rope, the residual stream, the
+          sampler.
+
+        bf16 on the CPU only: that is where each claim above is measured and tested. The mode
+        belongs to the model: engines sharing one model object share it."""
+        if enabled and (self.dtype != torch.bfloat16 or self.lm_head.weight.device.type != "cpu"):
+            raise ValueError("batch-invariant inference is implemented for bfloat16 on the CPU")
+        if enabled:
+            self.pack_for_cpu()
+        rows = BATCH_INVARIANT_ROWS if enabled else None
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.fixed_rows = rows
+            elif isinstance(module, (TopKRouter, RoutedExperts, MultiHeadLatentAttention)):
+                module.set_batch_invariant(enabled)
+        self.batch_invariant = enabled
+
+    @property
+    def attention_key_multiple(self) -> int:
+        """What a step's attention groups pad their key length to (see `AttentionMetadata`)."""
+        return ATTENTION_KEY_MULTIPLE if self.batch_invariant else 1
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
@@ -87,6 +124,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     def resolve_path(self, meta: AttentionMetadata, attention_path: str) -> tuple[bool, ...]:
         """Whether each attention group of the step takes the absorbed path: by cost under
         "auto", or forced ("absorbed" / "expanded", for tests). Decided once per step."""
+        if attention_path == "auto" and self.batch_invariant:
+            return (True,) * len(meta.groups)  # one path, whatever the step
         if attention_path == "auto":
             return tuple(choose_absorbed(self.cfg, group) for group in meta.groups)
         if attention_path not in ("absorbed", "expanded"):

@@ -50,7 +50,7 @@ class ModelRunner:
             offset += n
             if item.sample:
                 sample_rows.append(offset - 1)
-        meta = AttentionMetadata.build(chunks, self.device)
+        meta = AttentionMetadata.build(chunks, self.device, self.model.attention_key_multiple)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta, self.kv_cache)
         rows = score_rows + sample_rows

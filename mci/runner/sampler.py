@@ -3,9 +3,9 @@
 Order of operations per row: logit_bias, penalties (repetition over prompt+output,
 frequency/presence over output), min-token EOS masking, temperature, top-k, min-p, top-p,
 then a draw. Rows are vectorised; the only per-request Python is drawing each request's
-noise from its own generator, which makes seeded sampling independent of whatever else
-shares the batch (exponential-race sampling: argmax(p / E), E ~ Exp(1), picks i with
-probability p_i).
+noise from its own random stream, seeded per (request seed, output position), which makes
+seeded sampling independent of whatever else shares the batch (exponential-race sampling:
+argmax(p / E), E ~ Exp(1), picks i with probability p_i).
 
 Logprobs are of the model's raw distribution (before logit_bias, penalties and temperature), as vLLM
 and OpenAI report them.
@@ -98,7 +98,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...]) 
         noise = torch.empty_like(probs)
         for i in range(n):
             if not greedy[i]:
-                noise[i].exponential_(generator=reqs[i].generator)
+                noise[i].exponential_(generator=reqs[i].generator_for_next_token())
         drawn = (probs / noise).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, drawn)
 
