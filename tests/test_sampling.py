@@ -18,6 +18,15 @@ def _req(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
     return r
 
 
+def _draws(logits, req: Request, n: int) -> list[int]:
+    """n tokens drawn one after another (each appended, as the engine does)."""
+    out = []
+    for _ in range(n):
+        out.append(sample(logits, [req], ()).token_ids[0])
+        req.append_token(out[-1])
+    return out
+
+
 def _logits(vocab=16, seed=0):
     return torch.randn(1, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
@@ -63,27 +72,32 @@ def test_seeded_draws_do_not_depend_on_batch_neighbours():
     draws = sample(logits, reqs, ()).token_ids
     assert draws[1] == solo[0]
     again = [_req(SamplingParams(seed=7)) for _ in range(2)]
-    seq_a = [sample(logits[:1], [again[0]], ()).token_ids[0] for _ in range(20)]
-    seq_b = [sample(logits[:1], [again[1]], ()).token_ids[0] for _ in range(20)]
+    seq_a, seq_b = _draws(logits[:1], again[0], 20), _draws(logits[:1], again[1], 20)
     assert seq_a == seq_b and len(set(seq_a)) > 1
+
+
+def test_a_draw_depends_on_the_seed_and_position_only():
+    """Not on the draws before it: a request resumed elsewhere, or verifying several tokens at
+    once, draws what a request sampled step by step would have."""
+    logits = _logits(vocab=64, seed=4)
+    stepwise = _draws(logits, _req(SamplingParams(seed=11)), 6)
+    other_history = _req(SamplingParams(seed=11), output=(5, 9, 2, 2, 40))  # 5 tokens in
+    assert sample(logits, [other_history], ()).token_ids[0] == stepwise[5]
+    unseeded = [_draws(logits, _req(SamplingParams()), 6) for _ in range(2)]
+    assert unseeded[0] != unseeded[1]  # each unseeded request has a random seed of its own
 
 
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     r = _req(SamplingParams(seed=0))
-    counts = (
-        torch.bincount(
-            torch.tensor([sample(logits, [r], ()).token_ids[0] for _ in range(3000)]), minlength=3
-        ).float()
-        / 3000
-    )
+    counts = torch.bincount(torch.tensor(_draws(logits, r, 3000)), minlength=3).float() / 3000
     assert torch.allclose(counts, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
 
 
 def test_top_p_keeps_the_nucleus_only():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     r = _req(SamplingParams(top_p=0.8, seed=1))
-    seen = {sample(logits, [r], ()).token_ids[0] for _ in range(300)}
+    seen = set(_draws(logits, r, 300))
     assert seen == {0, 1}
 
 
