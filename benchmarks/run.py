@@ -121,7 +121,8 @@ WORKLOAD_TEXT = {
     "prefix": "32 at once, 1,024 shared + 32 unique in / 32 out",
     "single": "1 request, 32 in / 256 out",
 }
-ENGINES = ("mci", "vllm", "llama.cpp")
+ENGINES = ("mci", "vllm", "llama.cpp", "mci-deterministic")
+DEFAULT_ENGINES = ("mci", "vllm", "llama.cpp")  # mci-deterministic: mci with --deterministic
 # Longest request: 1,024 + 32 in + 32 out (prefix). Every engine gets room for 2,048 per sequence.
 MAX_MODEL_LEN = 2048
 # llama-server splits its context evenly over its slots: 32 slots for 32 concurrent requests.
@@ -256,7 +257,7 @@ class Server:
 def engine_cmd(name: str, port: int, args) -> tuple[list[str], dict]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
-    if name == "mci":
+    if name in ("mci", "mci-deterministic"):
         cmd = shlex.split(args.mci_cmd) + [
             "--model-path",
             str(CKPT),
@@ -269,7 +270,7 @@ def engine_cmd(name: str, port: int, args) -> tuple[list[str], dict]:
             "--kv-cache-gb",
             f"{args.kv_cache_gb:g}",
         ]
-        return cmd, env
+        return cmd + (["--deterministic"] if name == "mci-deterministic" else []), env
     if name == "vllm":
         env.update(VLLM_MLA_DISABLE="1", VLLM_CPU_KVCACHE_SPACE=str(round(args.kv_cache_gb)))
         cmd = [
@@ -323,6 +324,8 @@ def dig(d: dict, path: tuple[str, ...]) -> float:
 
 def peer_versions(engines: list[str], args) -> dict:
     v = {"mci": f"commit {git_commit(Path(args.mci_src))} ({args.mci_src})"}
+    if "mci-deterministic" in engines:
+        v["mci-deterministic"] = v["mci"] + ", with --deterministic"
     if "vllm" in engines:
         v["vllm"] = version_of(
             [
@@ -413,7 +416,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, in turn order")
+    ap.add_argument(
+        "--engines",
+        default=",".join(DEFAULT_ENGINES),
+        help=f"comma-separated, in turn order, of {', '.join(ENGINES)}",
+    )
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument(
@@ -477,6 +484,7 @@ def main() -> int:
             ap.error(f"unknown workload {w!r} ({', '.join(WORKLOADS)})")
     need = {
         "mci": [CKPT / "config.json"],
+        "mci-deterministic": [CKPT / "config.json"],
         "vllm": [VLLM_PY, CKPT / "config.json"],
         "llama.cpp": [LLAMA_SERVER, GGUF],
     }
