@@ -165,7 +165,7 @@ def _served_outputs(server, prompts, concurrent: bool) -> list:
             extra_body={"ignore_eos": True},
         ).choices[0]
         lp = out.logprobs
-        return out.text, lp.token_logprobs, lp.top_logprobs
+        return out.text, lp.tokens, lp.token_logprobs, lp.top_logprobs
 
     if not concurrent:
         return [complete(i) for i in range(len(prompts))]
@@ -184,7 +184,7 @@ def test_served_outputs_identical_across_schedules(checkpoint):
         + torch.randint(
             3, 2000, (int(torch.randint(4, 40, (1,), generator=gen)),), generator=gen
         ).tolist()
-        for i in range(16)
+        for i in range(32)
     ]
     name = ("--served-model-name", "m", "--deterministic")
     with LiveServer(path, *name, "--max-total-tokens", "4096", dtype="bfloat16") as server:
