@@ -70,12 +70,12 @@ def _both_expert_paths(experts, x, weights, ids):
 
 def test_grouped_and_looped_experts_agree_bitwise(checkpoint):
     """A token's expert output must not depend on which path its step took (batched = solo)."""
-    for dtype, pack in (("bfloat16", True), ("bfloat16", False), ("float32", False)):
+    for dtype, pack in (("bfloat16", True), ("bfloat16", False)):  # float32 always loops
         model = load_model(checkpoint(dtype="bfloat16"), dtype)
         if pack:
             model.pack_for_cpu()
         moe = model.model.layers[1].mlp
-        for tokens in (48, 64):  # every expert active, few tokens each: grouped
+        for tokens in (24, 40):  # every expert active, few tokens each: grouped
             x = torch.randn(
                 tokens, model.cfg.hidden_size, generator=torch.Generator().manual_seed(2)
             )

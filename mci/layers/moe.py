@@ -79,22 +79,25 @@ class RoutedExperts(nn.Module):
       of the experts in use, the right choice when few are (a decode step of a few requests);
     * grouped: every expert's tokens padded to a common count and run as two batched matmuls
       over all experts — two calls instead of two per expert, the right choice when most
-      experts are in use anyway (a batch of decodes, a prefill), where the loop's per-call
+      experts are in use anyway (a batch of decodes), where the loop's per-call
       overhead costs more than the matmuls.
 
-    Both compute each expert's rows with the same kernels, so a token's output does not depend
-    on the path its step took (tested bitwise).
+    In bf16 the two agree bitwise up to 16 rows per expert (tested); with more rows the batched
+    matmul may round a row's last bit differently from the looped one (seen at 32 rows on a
+    512x512 expert), so grouping stops at 16, and `--deterministic` always loops. float32
+    (aten's MKL kernels: they disagree) and FP8 weights always loop.
     """
 
     # Grouped when at least this share of the experts is active, padding at most triples the
-    # rows, and no expert has more than GROUPED_MAX_ROWS tokens. Measured on the `small`
-    # model's MoE layer (32 experts, bf16, 2 threads): 8-32 tokens run ~2x faster grouped
+    # rows, and no expert has more than GROUPED_MAX_ROWS tokens (a 32-request decode step
+    # rarely gives one more). Measured on the `small` model's MoE layer (32 experts, bf16,
+    # 2 threads): 8-32 tokens run ~2x faster grouped
     # (8 tokens activate about 20 of the 32 experts), 1-4 tokens at par or slower, 256 at
     # par, 1,024 ~1.4x slower (the batched matmul re-lays the weights out per call, which the
     # loop's packed weights do not).
     GROUPED_MIN_ACTIVE = 0.5
     GROUPED_MAX_PADDING = 3.0
-    GROUPED_MAX_ROWS = 32
+    GROUPED_MAX_ROWS = 16
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block):
         super().__init__()
@@ -121,7 +124,7 @@ class RoutedExperts(nn.Module):
         active = sum(1 for c in counts_list if c)
         if (
             self.grouped
-            and self.gate_up_proj.block is None
+            and self.gate_up_proj.weight.dtype == torch.bfloat16  # where agreement is tested
             and active >= self.GROUPED_MIN_ACTIVE * self.num_experts
             and capacity <= self.GROUPED_MAX_ROWS
             and capacity * self.num_experts <= self.GROUPED_MAX_PADDING * len(order)
