@@ -185,6 +185,10 @@ class Linear(nn.Module):
             self._packed = [pack_weight(r) for r in ([w] if w.dim() == 2 else list(w))]
         return True
 
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Run every packed matmul at exactly `BATCH_INVARIANT_ROWS` rows (see above)."""
+        self.fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
+
     def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
         if self._packed is not None and x.dtype == self.weight.dtype and not x.requires_grad:
             packed = self._packed[0 if expert is None else expert]

@@ -16,7 +16,7 @@ from torch import nn
 from mci.config import ModelConfig
 from mci.layers.attention import ATTENTION_KEY_MULTIPLE, MultiHeadLatentAttention, choose_absorbed
 from mci.layers.attention_metadata import AttentionMetadata
-from mci.layers.linear import BATCH_INVARIANT_ROWS, Linear
+from mci.layers.linear import Linear
 from mci.layers.moe import RoutedExperts, TopKRouter
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import RotaryEmbedding
@@ -71,7 +71,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         its step, the chunk its prompt came in, or whether its prefix was cached
         (`--deterministic`):
 
-        * every matmul runs exactly `BATCH_INVARIANT_ROWS` rows per call (see `fixed_rows` in
+        * every matmul runs exactly `linear.BATCH_INVARIANT_ROWS` rows per call (see `fixed_rows` in
           layers/linear.py): the linears, the routers (through oneDNN's float32 matmul: aten's
           picks another kernel for one row than for several), the absorbed attention's
           batched matmuls; the routed experts always loop (the grouped batched matmul is
@@ -88,11 +88,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError("batch-invariant inference is implemented for bfloat16 on the CPU")
         if enabled:
             self.pack_for_cpu()
-        rows = BATCH_INVARIANT_ROWS if enabled else None
         for module in self.modules():
-            if isinstance(module, Linear):
-                module.fixed_rows = rows
-            elif isinstance(module, (TopKRouter, RoutedExperts, MultiHeadLatentAttention)):
+            if isinstance(module, (Linear, TopKRouter, RoutedExperts, MultiHeadLatentAttention)):
                 module.set_batch_invariant(enabled)
         self.batch_invariant = enabled
 
