@@ -12,6 +12,7 @@ from mci.cache.kv_manager import KVCacheManager
 from mci.cache.radix_cache import RadixCache
 from mci.cache.sizing import kv_pool_tokens
 from mci.cache.slot_pool import SlotPool
+from mci.cpu_allocator import keep_freed_memory
 from mci.engine_config import EngineConfig
 from mci.engine_core import EngineCore
 from mci.errors import UserError
@@ -86,6 +87,7 @@ def build_engine_core(
     kv_cache = model.allocate_kv_cache(num_slots, device, with_mtp)
     if device.type == "cpu":
         log.info("packed %d linear layers for oneDNN", model.pack_for_cpu())
+        log.info("malloc keeps freed memory: %s", keep_freed_memory())
     if config.model.deterministic or model.batch_invariant:  # a shared model may have it on
         try:
             model.set_batch_invariant(config.model.deterministic)
