@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from mci.cache.kv_manager import KVCacheManager
 from mci.cache.radix_cache import RadixCache
 from mci.cache.sizing import kv_pool_tokens
@@ -22,6 +24,9 @@ from mci.request_front import RequestFront
 from mci.runner.model_runner import ModelRunner
 from mci.scheduler.output_processor import OutputProcessor
 from mci.scheduler.scheduler import Scheduler
+from mci.spec.mtp import MTPDrafter
+from mci.spec.ngram import NgramDrafter
+from mci.spec.speculator import Speculator
 from mci.tokenizer import TextTokenizer
 
 log = logging.getLogger("mci")
@@ -63,12 +68,19 @@ def build_engine_core(
 ) -> EngineCore:
     """Size the KV pool and assemble pool, radix cache, runner and scheduler for `model`.
 
-    The pool holds the main layers' latents only: nothing runs the MTP modules yet, so their
-    rows would be memory no token uses.
+    The pool holds the main layers' latents, and the MTP module's when it drafts
+    (`--speculative-algorithm mtp`); otherwise nothing runs the module and its row would be
+    memory no token uses.
     """
     cfg = model.cfg
     eos_ids = tuple(cfg.eos_token_ids)
-    with_mtp = False  # nothing runs the MTP modules yet
+    spec = config.speculative
+    with_mtp = spec.speculative_algorithm == "mtp"
+    if with_mtp and not len(model.mtp):
+        raise UserError(
+            "--speculative-algorithm mtp: the checkpoint has no MTP module "
+            "(num_nextn_predict_layers is 0 or its weights are missing); use ngram"
+        )
     per_token = cfg.kv_bytes_per_token(model.dtype.itemsize, include_mtp=with_mtp)
     cap = config.scheduler.max_running_requests * cfg.max_position_embeddings
     device = model.lm_head.weight.device  # where the model is, whatever the config said
@@ -81,10 +93,14 @@ def build_engine_core(
         num_slots * per_token / 1e6,
         "off" if radix is None else "on",
     )
-    scheduler = Scheduler(
-        config.scheduler, KVCacheManager(pool, radix), OutputProcessor(tokenizer, eos_ids)
-    )
-    kv_cache = model.allocate_kv_cache(num_slots, device, with_mtp)
+    # MTP latents need a matched prefix's last position computed again (see mci/spec/mtp.py)
+    kv = KVCacheManager(pool, radix, match_margin=1 if with_mtp else 0)
+    scheduler = Scheduler(config.scheduler, kv, OutputProcessor(tokenizer, eos_ids))
+    # Chained MTP drafts write latents of unverified positions: to scratch slots after the
+    # pool's, a row of num_steps per request that can share a step (see mci/spec/mtp.py).
+    scratch_cols = spec.num_steps if with_mtp else 0
+    num_scratch = config.scheduler.max_running_requests * scratch_cols
+    kv_cache = model.allocate_kv_cache(num_slots + num_scratch, device, with_mtp)
     if device.type == "cpu":
         log.info("packed %d linear layers for oneDNN", model.pack_for_cpu())
         log.info("malloc keeps freed memory: %s", keep_freed_memory())
@@ -96,4 +112,19 @@ def build_engine_core(
         log.info(
             "deterministic (batch-invariant) inference %s", "on" if model.batch_invariant else "off"
         )
-    return EngineCore(scheduler, ModelRunner(model, kv_cache, eos_ids), config.check_integrity)
+    speculator = None
+    if spec.enabled:
+        if with_mtp:
+            scratch = torch.arange(num_slots, num_slots + num_scratch, device=device)
+            scratch = scratch.view(config.scheduler.max_running_requests, scratch_cols)
+            drafter = MTPDrafter(model, kv_cache, scratch)
+        else:
+            drafter = NgramDrafter(
+                spec.speculative_ngram_min_window, spec.speculative_ngram_max_window
+            )
+        speculator = Speculator(spec, drafter)
+        log.info(
+            "speculative decoding: %s, %d draft tokens", spec.speculative_algorithm, spec.num_steps
+        )
+    runner = ModelRunner(model, kv_cache, eos_ids, speculator)
+    return EngineCore(scheduler, runner, config.check_integrity)

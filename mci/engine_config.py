@@ -79,6 +79,72 @@ class SchedulerConfig:
         return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
 
 
+MTP_ALIASES = ("nextn", "eagle")  # SGLang's names for DeepSeek's MTP draft
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: draft tokens cheaply, verify them all in one target forward.
+
+    Chains only (one draft per position, SGLang's EAGLE with topk 1): each step a request
+    verifies up to `speculative_num_steps` drafts, so `--speculative-num-draft-tokens`, which
+    SGLang also takes, must be that plus one.
+    """
+
+    speculative_algorithm: str | None = _opt(
+        None,
+        "draft with the checkpoint's MTP module (mtp; SGLang's NEXTN/EAGLE are accepted) or "
+        "by prompt lookup (ngram, any model); off when not given",
+        ["mtp", "ngram", *MTP_ALIASES],
+    )
+    speculative_num_steps: int = _opt(3, "draft tokens per request per step (k)")
+    speculative_num_draft_tokens: int | None = _opt(
+        None, "tokens verified per request per step: num_steps + 1 (SGLang's flag)"
+    )
+    speculative_ngram_max_window: int = _opt(
+        3, "ngram: longest suffix looked up in the request's earlier tokens"
+    )
+    speculative_ngram_min_window: int = _opt(1, "ngram: shortest suffix looked up")
+    speculative_disable_by_batch_size: int = _opt(
+        8,
+        "no drafting in a step with more decoding requests than this (verification costs "
+        "more than it saves there)",
+    )
+
+    def __post_init__(self):
+        algo = self.speculative_algorithm
+        if algo is not None:
+            algo = algo.lower()
+            object.__setattr__(
+                self, "speculative_algorithm", "mtp" if algo in MTP_ALIASES else algo
+            )
+        if self.speculative_algorithm not in (None, "mtp", "ngram"):
+            raise UserError(f"--speculative-algorithm must be mtp or ngram, got {algo!r}")
+        if not 1 <= self.speculative_num_steps <= 16:
+            raise UserError("--speculative-num-steps must be in [1, 16]")
+        draft_tokens = self.speculative_num_draft_tokens
+        if draft_tokens is not None and draft_tokens != self.speculative_num_steps + 1:
+            raise UserError(
+                "--speculative-num-draft-tokens must be --speculative-num-steps + 1 "
+                f"({self.speculative_num_steps + 1}): drafts are chains, not trees"
+            )
+        if not 1 <= self.speculative_ngram_min_window <= self.speculative_ngram_max_window:
+            raise UserError(
+                "--speculative-ngram-min-window must be in [1, --speculative-ngram-max-window]"
+            )
+        if self.speculative_disable_by_batch_size < 1:
+            raise UserError("--speculative-disable-by-batch-size must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_algorithm is not None
+
+    @property
+    def num_steps(self) -> int:
+        """Drafts per request per step; 0 when speculation is off."""
+        return self.speculative_num_steps if self.enabled else 0
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP front end of `mci serve`."""
@@ -102,10 +168,16 @@ class EngineConfig:
     model: ModelPlacement = field(default_factory=ModelPlacement)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     check_integrity: bool = False  # verify slot accounting every step (tests)
 
 
-SECTIONS = {"model": ModelPlacement, "cache": CacheConfig, "scheduler": SchedulerConfig}
+SECTIONS = {
+    "model": ModelPlacement,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "speculative": SpeculativeConfig,
+}
 ALL_SECTIONS = {**SECTIONS, "server": ServerConfig}
 
 

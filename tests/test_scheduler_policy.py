@@ -49,8 +49,8 @@ class FakeRunner:
             self.outputs_before[step, item.request.request_id] = len(item.request.output_ids)
         sampling = batch.sampling_items
         return SampleResult(
-            [100 + len(i.request.output_ids) for i in sampling],
-            [None] * len(sampling),
+            [[100 + len(i.request.output_ids)] for i in sampling],
+            [[None]] * len(sampling),
             [[(-1.0, [])] * len(i.scored_positions) for i in batch.scoring_items],
         )
 

@@ -117,6 +117,7 @@ async def run_benchmark(
             r = await client.get(base_url + "/v1/models", headers=headers)
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
+        spec_before = await _spec_counters(client, base_url, headers)
         rng = random.Random(seed + 1)
         bar = tqdm(total=len(prompts), desc="requests", disable=not progress)
         t0 = time.perf_counter()
@@ -144,7 +145,43 @@ async def run_benchmark(
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         bar.close()
-    return results, duration
+        spec_after = await _spec_counters(client, base_url, headers)
+    return results, duration, _spec_summary(spec_before, spec_after)
+
+
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+async def _spec_counters(client, base_url: str, headers: dict) -> dict[str, float] | None:
+    """The server's speculative decoding counters (`mci:` or `vllm:spec_decode_*` on
+    /metrics), or None where it exports none."""
+    try:
+        r = await client.get(base_url + "/metrics", headers=headers)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    found = {}
+    for line in r.text.splitlines():
+        for name in SPEC_COUNTERS:
+            for prefix in ("mci:", "vllm:"):
+                if line.startswith(f"{prefix}spec_decode_{name}_total "):
+                    found[name] = float(line.split()[-1])
+    return found if len(found) == len(SPEC_COUNTERS) else None
+
+
+def _spec_summary(before: dict | None, after: dict | None) -> dict | None:
+    """Acceptance over the run: accepted / draft tokens, and tokens per verification."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    if not d["num_drafts"]:
+        return {**d, "acceptance_rate": None, "mean_accepted_length": None}
+    return {
+        **d,
+        "acceptance_rate": d["num_accepted_tokens"] / d["num_draft_tokens"],
+        "mean_accepted_length": 1 + d["num_accepted_tokens"] / d["num_drafts"],
+    }
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -217,6 +254,15 @@ def format_table(summary: dict) -> str:
         lines.append(
             f"{label:22s}{v['mean']:10.1f}{v['p50']:10.1f}{v['p90']:10.1f}{v['p99']:10.1f}"
         )
+    spec = summary.get("spec_decode")
+    if spec and spec["acceptance_rate"] is not None:
+        lines.append(
+            f"{'spec decode acceptance':34s} {spec['acceptance_rate']:.1%} "
+            f"({spec['num_accepted_tokens']:.0f} / {spec['num_draft_tokens']:.0f} draft tokens)"
+        )
+        lines.append(
+            f"{'spec decode tokens per verify':34s} {spec['mean_accepted_length']:.2f}"
+        )
     for err in summary["errors"]:
         lines.append(f"error: {err}")
     return "\n".join(lines)
@@ -263,7 +309,7 @@ def main(args) -> int:
         args.dataset, args.num_prompts, args.input_len, args.prefix_len, args.vocab_size, args.seed
     )
     try:
-        results, duration = asyncio.run(
+        results, duration, spec = asyncio.run(
             run_benchmark(
                 args.base_url.rstrip("/"),
                 args.model,
@@ -279,6 +325,7 @@ def main(args) -> int:
     except httpx.HTTPError as exc:
         raise UserError(f"cannot reach {args.base_url}: {exc}") from None
     summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+    summary["spec_decode"] = spec
     summary["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     print(format_table(summary))
     if args.output_json:

@@ -20,11 +20,16 @@ from mci.core.request import Request
 
 
 class KVCacheManager:
-    """Slots for requests, with an optional radix prefix cache (None = disabled)."""
+    """Slots for requests, with an optional radix prefix cache (None = disabled).
 
-    def __init__(self, pool: SlotPool, radix: RadixCache | None):
+    `match_margin`: positions a prefix match leaves at its end, to be computed again by the
+    request (MTP drafting needs the main model's state at the position before its first
+    computed one; see mci/spec/mtp.py)."""
+
+    def __init__(self, pool: SlotPool, radix: RadixCache | None, match_margin: int = 0):
         self.pool = pool
         self.radix = radix
+        self.match_margin = match_margin
 
     @property
     def available(self) -> int:
@@ -35,7 +40,8 @@ class KVCacheManager:
         """Cached prefix length for admission ordering (no locking)."""
         if self.radix is None:
             return 0
-        return len(self.radix.match_prefix(self._matchable(request))[0])
+        matched = len(self.radix.match_prefix(self._matchable(request))[0])
+        return max(matched - self.match_margin, 0)
 
     @staticmethod
     def _matchable(request: Request) -> list[int]:
@@ -52,9 +58,10 @@ class KVCacheManager:
         if self.radix is None:
             return
         slots, node = self.radix.match_prefix(self._matchable(request))
-        n = len(slots)
+        n = max(len(slots) - self.match_margin, 0)  # the lock on `node` covers these too
         self.radix.inc_lock(node)
-        request.slots[:n] = slots
+        request.slots[:n] = slots[:n]
+        request.matched_next_slot = int(slots[n]) if 0 < n < len(slots) else None
         request.last_node = node
         request.cached_len = request.num_slots = request.num_computed_tokens = n
 
@@ -69,6 +76,15 @@ class KVCacheManager:
         request.slots[start : start + n] = self.pool.alloc(n)
         request.num_slots += n
         return True
+
+    def drop_unverified(self, request: Request) -> None:
+        """Free the slots of positions past `num_computed_tokens` (rejected speculative
+        drafts: their latents were computed, then found to follow wrong tokens)."""
+        keep = request.num_computed_tokens
+        if keep < request.cached_len:
+            raise RuntimeError(f"{request.request_id}: cannot drop slots the tree owns")
+        self.pool.free(request.slots[keep : request.num_slots])
+        request.num_slots = keep
 
     def cache_prefix(self, request: Request) -> None:
         """Insert the request's computed tokens into the tree; the tree takes their slots.
@@ -105,6 +121,7 @@ class KVCacheManager:
             self.radix.dec_lock(request.last_node)
         request.last_node = None
         request.cached_len = request.num_slots = request.num_computed_tokens = 0
+        request.mtp_pending = request.matched_next_slot = None
 
     def check_integrity(self, requests: Iterable[Request]) -> None:
         """Assert every slot is free, the tree's, or exactly one request's."""

@@ -20,9 +20,11 @@ from mci.core.request import Request
 class ScheduledItem:
     """Compute positions `start .. start + num_new - 1` of `request` this step.
 
-    `sample`: they are all its remaining known tokens and it wants output, so the step yields
-    its next token. `scored_positions`: positions of the chunk whose logits score the next
-    prompt token (prompt logprobs).
+    `sample`: they include all its remaining known tokens and it wants output, so the step
+    yields its next token. `scored_positions`: positions of the chunk whose logits score the
+    next prompt token (prompt logprobs). `draft_ids`: speculative tokens after the known ones
+    (the last `len(draft_ids)` of the `num_new` positions); the step verifies them and yields
+    the accepted ones plus one more.
     """
 
     request: Request
@@ -30,13 +32,19 @@ class ScheduledItem:
     start: int
     sample: bool
     scored_positions: range
+    draft_ids: tuple[int, ...] = ()
 
     @classmethod
-    def plan(cls, request: Request, num_new: int) -> ScheduledItem:
-        """The item for `num_new` more tokens of `request`, read from its state right now."""
+    def plan(cls, request: Request, num_new: int, draft_ids=()) -> ScheduledItem:
+        """The item for `num_new` more tokens of `request` (`draft_ids` among them, at the
+        end), read from its state right now."""
         start = request.num_computed_tokens
-        sample = start + num_new == request.num_tokens and request.params.max_new_tokens > 0
-        return cls(request, num_new, start, sample, _scored_positions(request, start, num_new))
+        known = num_new - len(draft_ids)
+        sample = start + known == request.num_tokens and request.params.max_new_tokens > 0
+        if draft_ids and not sample:
+            raise ValueError("drafts follow the last known token of a sampling request")
+        scored = _scored_positions(request, start, known)
+        return cls(request, num_new, start, sample, scored, tuple(draft_ids))
 
 
 def _scored_positions(request: Request, start: int, num_new: int) -> range:
@@ -77,10 +85,19 @@ TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 @dataclass(frozen=True)
 class SampleResult:
-    """What one step produced. `token_ids`/`logprobs`: one entry per sampling item, in batch
-    order (`logprobs[i]` is None unless that request asked for them). `prompt_logprobs`: one
-    list per scoring item, in batch order, an entry per position of its `scored_positions`."""
+    """What one step produced, one entry per sampling item in batch order:
 
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
+    * `token_ids[i]`: its new tokens, in order: the accepted drafts, then one sampled token
+      (just that one without drafts);
+    * `logprobs[i]`: one entry per new token, each None unless the request asked for them;
+    * `num_accepted[i]`: how many of its drafts were accepted (0 without drafts);
+    * `draft_ids[i]`: tokens proposed to follow the new ones, for the next step to verify.
+
+    `prompt_logprobs`: one list per scoring item, in batch order, an entry per position of its
+    `scored_positions`."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob | None]]
     prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    num_accepted: list[int] = field(default_factory=list)
+    draft_ids: list[list[int]] = field(default_factory=list)

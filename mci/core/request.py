@@ -56,6 +56,16 @@ class Request:
     num_slots: int = 0  # positions with a slot: num_computed_tokens, plus this step's new ones
     cached_len: int = 0  # leading positions whose slots the radix tree owns
     last_node: object = None  # radix node locked by this request (cached_len tokens deep)
+    # --- speculative decoding ----------------------------------------------------------------
+    # Tokens proposed to follow `token_ids`, verified (and dropped) by the next step; never
+    # part of `token_ids`, never in the KV accounting until verified.
+    draft_ids: list[int] = field(default_factory=list)
+    # MTP drafting: the main model's state at the last computed position, whose MTP latent
+    # waits for the next position's slot (see mci/spec/mtp.py); dropped with the KV.
+    mtp_pending: torch.Tensor | None = None
+    # The tree's slot of the position a prefix match left to compute again (`match_margin`),
+    # kept alive by the request's lock until its first step copies that slot's MTP latent.
+    matched_next_slot: int | None = None
     # --- sampling ----------------------------------------------------------------------------
     generator: torch.Generator = field(default=None)
     token_counts: torch.Tensor | None = None  # [vocab] output-token counts, for penalties
@@ -83,15 +93,18 @@ class Request:
             self.params.seed if self.params.seed is not None else self.generator.seed()
         )
 
-    def generator_for_next_token(self) -> torch.Generator:
-        """The random stream of the output token about to be drawn: a function of the seed and
-        of that token's position only, so a seeded request draws the same tokens whatever its
-        batch, however often it was preempted, and wherever it resumes (a draw never depends on
-        how many draws came before)."""
-        position = len(self.output_ids)
+    def generator_for_output(self, position: int) -> torch.Generator:
+        """The random stream of output token `position`: a function of the seed and of that
+        position only, so a seeded request draws the same tokens whatever its batch, however
+        often it was preempted, wherever it resumes, and whether its tokens were verified one
+        at a time or several per step (a draw never depends on how many draws came before)."""
         # splitmix64-style mixing: nearby (seed, position) pairs get unrelated streams
         mixed = (self.sample_seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % 2**64
         return self.generator.manual_seed((mixed ^ (mixed >> 31)) % 2**63)
+
+    def generator_for_next_token(self) -> torch.Generator:
+        """The random stream of the output token about to be drawn."""
+        return self.generator_for_output(len(self.output_ids))
 
     def append_token(self, token_id: int) -> None:
         """Record a generated token (it has no latent in the cache yet)."""

@@ -40,6 +40,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token (None = off)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     skip_special_tokens: bool = True
+    speculative: bool = True  # False: never draft for this request (speculation opt-out)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

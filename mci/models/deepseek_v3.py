@@ -171,10 +171,29 @@ class DeepseekV3ForCausalLM(nn.Module):
         next_ids: [T], hidden: [T, hidden] (final-norm states of the previous depth, as vLLM and
         SGLang feed them); `meta` has the same positions as the hidden states.
         """
+        out = self.mtp_hidden(k, next_ids, hidden, meta, kv_cache, attention_path)
+        return out.to(self.dtype), self.mtp_logits(k, out)
+
+    @torch.inference_mode()
+    def mtp_hidden(
+        self,
+        k: int,
+        next_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        attention_path: str = "auto",
+    ) -> torch.Tensor:
+        """`mtp_forward` without the logits: the block's output, float32 [T, hidden] (a drafter
+        needs logits for a few rows only); writes the module's latent cache row."""
         if not 0 <= k < len(self.mtp):
             raise ValueError(f"MTP module {k} is not loaded (this model has {len(self.mtp)})")
         absorbed = self.resolve_path(meta, attention_path)
         layer = self.mtp[k]
         cache_row = kv_cache[self.cfg.num_hidden_layers + k]
-        out = layer(next_ids, hidden, meta, self.rope_for(meta), cache_row, absorbed)  # float32
-        return out.to(self.dtype), layer.logits(out)
+        return layer(next_ids, hidden, meta, self.rope_for(meta), cache_row, absorbed)
+
+    @torch.inference_mode()
+    def mtp_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """MTP module k's logits (float32 [N, vocab]) for rows of `mtp_hidden`'s output."""
+        return self.mtp[k].logits(hidden)

@@ -12,7 +12,9 @@ import torch
 from mci.core.batch import SampleResult, ScheduledBatch
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
-from mci.runner.sampler import sample, score_prompts
+from mci.runner.sampler import SampleRow, sample, score_prompts
+from mci.spec.speculator import Speculator
+from mci.spec.verify import accepted_length
 
 
 class ModelRunner:
@@ -21,49 +23,86 @@ class ModelRunner:
 
     Reads each item's request (token ids, slots, sampling state); writes nothing but the KV
     cache and the requests' generators. `eos_ids` feed the min-tokens rule of the sampler.
+    With a `speculator`, each step also drafts tokens for the next one (see mci/spec/).
     """
 
     def __init__(
-        self, model: DeepseekV3ForCausalLM, kv_cache: torch.Tensor, eos_ids: tuple[int, ...]
+        self,
+        model: DeepseekV3ForCausalLM,
+        kv_cache: torch.Tensor,
+        eos_ids: tuple[int, ...],
+        speculator: Speculator | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
         self.eos_ids = eos_ids
+        self.speculator = speculator
         self.device = model.lm_head.weight.device
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SampleResult:
-        """Forward the batch, then sample each sampling item and score each scoring item.
+        """Forward the batch, then sample each sampling item (verifying its drafts), score each
+        scoring item, and draft for the next step when speculating.
 
         Logits are computed only for the rows that need them, laid out as
 
-            [ scored prompt positions of every scoring item... | last row of every sampling item ]
+            [ scored prompt positions of every scoring item... | sampled rows of every
+              sampling item: its last known position, then one per draft ]
         """
         chunks, ids, score_rows, sample_rows = [], [], [], []
         offset = 0  # the item's first row among the step's flat tokens
         for item in batch.items:
             req, start, n = item.request, item.start, item.num_new
+            known = n - len(item.draft_ids)
             chunks.append(SequenceChunk(req.slots[: start + n], n))
-            ids.extend(req.token_ids[start : start + n])
+            ids.extend(req.token_ids[start : start + known])
+            ids.extend(item.draft_ids)
             scored = item.scored_positions
             score_rows.extend(range(offset + scored.start - start, offset + scored.stop - start))
-            offset += n
             if item.sample:
-                sample_rows.append(offset - 1)
+                sample_rows.extend(range(offset + known - 1, offset + n))
+            offset += n
         meta = AttentionMetadata.build(chunks, self.device, self.model.attention_key_multiple)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta, self.kv_cache)
         rows = score_rows + sample_rows
-        if not rows:
+        if not rows and self.speculator is None:
             return SampleResult([], [])
-        if len(rows) < hidden.shape[0] or score_rows:
-            hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
-        logits = self.model.logits(hidden).cpu()
+        logits = None
+        if rows:
+            selected = hidden
+            if len(rows) < hidden.shape[0] or score_rows:
+                selected = hidden.index_select(0, torch.tensor(rows, device=self.device))
+            logits = self.model.logits(selected).cpu()
         num_scored = len(score_rows)
-        sampled = sample(
-            logits[num_scored:], [item.request for item in batch.sampling_items], self.eos_ids
-        )
-        if not num_scored:
-            return sampled
-        scores = score_prompts(logits[:num_scored], batch.scoring_items)
-        return SampleResult(sampled.token_ids, sampled.logprobs, scores)
+        result = self._sample_and_verify(batch, None if logits is None else logits[num_scored:])
+        if self.speculator is not None:
+            sampling = [i for i, item in enumerate(batch.items) if item.sample]
+            new_tokens = dict(zip(sampling, result.token_ids, strict=True))
+            drafts = self.speculator.propose(batch.items, hidden, new_tokens)
+            result.draft_ids.extend(drafts.get(i, []) for i in sampling)
+        if num_scored:
+            result.prompt_logprobs.extend(score_prompts(logits[:num_scored], batch.scoring_items))
+        return result
+
+    def _sample_and_verify(self, batch: ScheduledBatch, logits: torch.Tensor | None):
+        """Sample every sampling row in one call (a drafted position as if the drafts before
+        it were accepted), then keep each item's accepted drafts plus the next token."""
+        items = batch.sampling_items
+        if not items:
+            return SampleResult([], [])
+        rows = [
+            SampleRow(item.request, item.draft_ids[:j])
+            for item in items
+            for j in range(len(item.draft_ids) + 1)
+        ]
+        draws = sample(logits, rows, self.eos_ids)
+        tokens, logprobs, accepted, row = [], [], [], 0
+        for item in items:
+            drawn = draws.token_ids[row : row + len(item.draft_ids) + 1]
+            n = accepted_length(item.draft_ids, drawn)
+            tokens.append(drawn[: n + 1])
+            logprobs.append(draws.logprobs[row : row + n + 1])
+            accepted.append(n)
+            row += len(item.draft_ids) + 1
+        return SampleResult(tokens, logprobs, num_accepted=accepted)

@@ -7,16 +7,46 @@ noise from its own random stream, seeded per (request seed, output position), wh
 seeded sampling independent of whatever else shares the batch (exponential-race sampling:
 argmax(p / E), E ~ Exp(1), picks i with probability p_i).
 
+A row may sample a position past the request's known tokens (`SampleRow.assumed`): speculative
+verification samples every drafted position in the same call, each as if the drafts before it
+had been accepted (penalties, min_tokens and the random stream all see them); a row is used
+only if they were.
+
 Logprobs are of the model's raw distribution (before logit_bias, penalties and temperature), as vLLM
 and OpenAI report them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from mci.core.batch import SampleResult, ScheduledItem, TokenLogprob
+from mci.core.batch import ScheduledItem, TokenLogprob
 from mci.core.request import Request
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """Sample the next token of `request` as if `assumed` had been appended to it."""
+
+    request: Request
+    assumed: tuple[int, ...] = ()
+
+    @property
+    def output_position(self) -> int:
+        return len(self.request.output_ids) + len(self.assumed)
+
+    def output_ids(self) -> list[int]:
+        return self.request.output_ids + list(self.assumed)
+
+
+@dataclass(frozen=True)
+class Draws:
+    """One token per row, and its logprobs where the request asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
 
 
 def token_logprobs(
@@ -38,41 +68,49 @@ def _apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
             logits[i].index_add_(0, r.bias_ids, r.bias_values.to(logits.dtype))
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
+def _apply_penalties(logits: torch.Tensor, penalised: list[int], rows: list[SampleRow]) -> None:
     vocab = logits.shape[-1]
-    for i in rows:
-        p = reqs[i].params
+    for i in penalised:
+        p = rows[i].request.params
         row = logits[i]
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool)
-            seen[torch.tensor(reqs[i].token_ids, dtype=torch.long)] = True
-            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            row.copy_(torch.where(seen, penalised, row))
-        if (p.frequency_penalty or p.presence_penalty) and reqs[i].output_ids:
-            counts = torch.bincount(torch.tensor(reqs[i].output_ids), minlength=vocab).float()
+            seen[torch.tensor(rows[i].request.token_ids + list(rows[i].assumed))] = True
+            penalised_row = torch.where(
+                row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+            )
+            row.copy_(torch.where(seen, penalised_row, row))
+        output_ids = rows[i].output_ids()
+        if (p.frequency_penalty or p.presence_penalty) and output_ids:
+            counts = torch.bincount(torch.tensor(output_ids), minlength=vocab).float()
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
 
-def _mask_stop_tokens_before_min(logits, reqs: list[Request], eos_ids: tuple[int, ...]) -> None:
-    for i, r in enumerate(reqs):
-        p = r.params
-        if len(r.output_ids) < p.min_new_tokens:
+def _mask_stop_tokens_before_min(logits, rows: list[SampleRow], eos_ids: tuple[int, ...]) -> None:
+    for i, row in enumerate(rows):
+        p = row.request.params
+        if row.output_position < p.min_new_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
             if banned:
                 logits[i, banned] = float("-inf")
 
 
-def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...]) -> SampleResult:
-    """logits: [N, vocab] float32, row i for reqs[i] -> one token per row."""
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow | Request], eos_ids: tuple[int, ...]
+) -> Draws:
+    """logits: [N, vocab] float32, row i for rows[i] (a request: its next token) -> one token
+    per row."""
     n = logits.shape[0]
+    rows = [r if isinstance(r, SampleRow) else SampleRow(r) for r in rows]
+    reqs = [r.request for r in rows]
     want_lp = [r.params.logprobs is not None for r in reqs]
     raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
     logits = logits.clone()
     _apply_logit_bias(logits, reqs)
     penalised = [i for i, r in enumerate(reqs) if r.params.has_penalties]
     if penalised:
-        _apply_penalties(logits, penalised, reqs)
-    _mask_stop_tokens_before_min(logits, reqs, eos_ids)
+        _apply_penalties(logits, penalised, rows)
+    _mask_stop_tokens_before_min(logits, rows, eos_ids)
 
     temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
     greedy = temps == 0
@@ -98,7 +136,8 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...]) 
         noise = torch.empty_like(probs)
         for i in range(n):
             if not greedy[i]:
-                noise[i].exponential_(generator=reqs[i].generator_for_next_token())
+                generator = reqs[i].generator_for_output(rows[i].output_position)
+                noise[i].exponential_(generator=generator)
         drawn = (probs / noise).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, drawn)
 
@@ -109,7 +148,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...]) 
             if want_lp[i]:
                 row = raw_lp[i : i + 1]
                 logprobs[i] = token_logprobs(row, tokens[i : i + 1], r.params.logprobs)[0]
-    return SampleResult(token_list, logprobs)
+    return Draws(token_list, logprobs)
 
 
 def score_prompts(logits: torch.Tensor, items: list[ScheduledItem]) -> list[list[TokenLogprob]]:

@@ -37,8 +37,19 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self._tokenizer, req.params.skip_special_tokens)
         self._states[req.request_id] = _TextState(detok, holdback=holdback)
 
-    def on_token(self, req: Request, token: int, logprob) -> RequestOutput:
-        """Append a sampled token, apply every stop rule, and report the step's delta."""
+    def on_tokens(self, req: Request, tokens: list[int], logprobs: list) -> RequestOutput:
+        """Append a step's new tokens in order (one, or several verified at once), applying
+        every stop rule after each: tokens after the one that finishes the request are
+        dropped. Reports the step's delta, one output for all of them."""
+        appended = []
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            self._append(req, token, logprob)
+            appended.append(token)
+            if req.is_finished:
+                break
+        return self._output(req, appended)
+
+    def _append(self, req: Request, token: int, logprob) -> None:
         state = self._states[req.request_id]
         p = req.params
         req.append_token(token)
@@ -63,7 +74,6 @@ class OutputProcessor:
                 self._finish(req, "stop", stop)
         if not req.is_finished and len(req.output_ids) >= p.max_new_tokens:
             self._finish(req, "length", None)
-        return self._output(req, [token])
 
     def on_prompt_only(self, req: Request) -> RequestOutput:
         """A request with max_new_tokens = 0 has computed (and scored) its prompt."""

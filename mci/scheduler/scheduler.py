@@ -91,13 +91,14 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = req.num_uncomputed
             prefilling = n > 1  # prompt work takes from the budget; a decode token does not
+            drafts = () if prefilling else self._drafts_to_verify(req)
             if prefilling:
                 n = min(n, chunk, budget.left)
                 if n <= 0:
                     continue
-            if not self._allocate_or_preempt(req, n, batch, budget):
+            if not self._allocate_or_preempt(req, n + len(drafts), batch, budget):
                 continue
-            batch.items.append(ScheduledItem.plan(req, n))
+            batch.items.append(ScheduledItem.plan(req, n + len(drafts), drafts))
             if prefilling:
                 budget.charge(req, n)
         self._admit(batch, budget, chunk)
@@ -152,7 +153,7 @@ class Scheduler:
         outputs = []
         for item in batch.items:
             req = item.request
-            req.num_computed_tokens += item.num_new
+            req.num_computed_tokens += item.num_new - len(item.draft_ids)  # drafts: below
             # prompt positions computed (recomputation after preemption included)
             self.counters["prompt_tokens"] += max(
                 0, min(req.num_prompt_tokens, req.num_computed_tokens) - item.start
@@ -162,14 +163,37 @@ class Scheduler:
                 if req.params.max_new_tokens == 0:  # scoring only: done with its prompt
                     outputs.append(self.output_processor.on_prompt_only(req))
                     self._retire(req)
-        sampling = batch.sampling_items
-        for item, token, logprob in zip(sampling, result.token_ids, result.logprobs, strict=True):
+        for i, item in enumerate(batch.sampling_items):
             req = item.request
-            outputs.append(self.output_processor.on_token(req, token, logprob))
-            self.counters["generation_tokens"] += 1
+            out = self.output_processor.on_tokens(req, result.token_ids[i], result.logprobs[i])
+            outputs.append(out)
+            self.counters["generation_tokens"] += len(out.new_token_ids)
+            if item.draft_ids:
+                self._apply_verification(item, result.num_accepted[i], len(out.new_token_ids))
+            req.draft_ids = list(result.draft_ids[i]) if result.draft_ids else []
             if req.is_finished:
                 self._retire(req)
         return outputs
+
+    def _drafts_to_verify(self, req: Request) -> tuple[int, ...]:
+        """The request's drafts that fit: the verified tokens can never outgrow its slot
+        buffer (prompt + max_new_tokens positions), so at most that many minus what it has."""
+        room = req.max_total_tokens - req.num_tokens
+        return tuple(req.draft_ids[:room]) if room > 0 else ()
+
+    def _apply_verification(self, item: ScheduledItem, accepted: int, appended: int) -> None:
+        """Keep the latents of accepted drafts that became tokens, free the rest's slots.
+
+        Position start + j (j >= 1) was computed from draft j; its latent is right iff that
+        draft was accepted and appended (the request may have finished earlier in the step)."""
+        req = item.request
+        req.num_computed_tokens += min(accepted, appended)
+        self.kv.drop_unverified(req)
+        self.counters["spec_decode_num_drafts"] += 1
+        self.counters["spec_decode_num_draft_tokens"] += len(item.draft_ids)
+        self.counters["spec_decode_num_accepted_tokens"] += accepted
+        for position in range(accepted):
+            self.counters[f"spec_decode_num_accepted_tokens_pos_{position}"] += 1
 
     def _retire(self, req: Request) -> None:
         self.counters[f"finished_{req.finish_reason}"] += 1
@@ -209,6 +233,7 @@ class Scheduler:
         batch.drop(req)
         budget.give_back(req)
         self.kv.release(req)
+        req.draft_ids = []  # proposed for the state it loses
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.running.remove(req)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (
     0.001,
@@ -86,6 +87,40 @@ class ServerMetrics:
         }
         for name, (doc, key) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda k=key: float(self._stats().get(k, 0)))
+        r.register(_SpecDecodeCollector(stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCollector:
+    """Speculative decoding counters (vLLM's names), read from the engine's counters at scrape
+    time: drafts verified, draft tokens proposed, draft tokens accepted (overall and by
+    position in the draft). Acceptance rate = accepted / draft tokens; mean accepted length
+    per verification = 1 + accepted / drafts."""
+
+    PREFIX = "spec_decode_num_accepted_tokens_pos_"
+
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def describe(self) -> list:
+        return []  # values are only known at scrape time
+
+    def collect(self):
+        counters = self._stats().get("counters", {})
+        for key, doc in (
+            ("spec_decode_num_drafts", "Requests verified with at least one draft token"),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified"),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+        ):
+            yield CounterMetricFamily(f"mci:{key}", doc, value=counters.get(key, 0))
+        per_pos = CounterMetricFamily(
+            "mci:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft",
+            labels=["position"],
+        )
+        for key, value in sorted(counters.items()):
+            if key.startswith(self.PREFIX):
+                per_pos.add_metric([key[len(self.PREFIX) :]], value)
+        yield per_pos

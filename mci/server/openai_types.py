@@ -77,6 +77,9 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     priority: int | None = Field(None, description="smaller is served first")
+    speculative: bool | None = Field(
+        None, description="false: no speculative drafts for this request (opt-out; default true)"
+    )
 
 
 class CompletionRequest(_SamplingFields):
@@ -144,6 +147,7 @@ class NativeSamplingParams(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    speculative: bool | None = None
     n: int | None = None
     seed: int | None = None
     logit_bias: dict[str, float] | None = None

@@ -127,6 +127,7 @@ def _common(req) -> dict:
         n=req.n,
         skip_special_tokens=req.skip_special_tokens,
         logit_bias=_logit_bias(req.logit_bias),
+        speculative=req.speculative,
     )
 
 
