@@ -260,9 +260,7 @@ def format_table(summary: dict) -> str:
             f"{'spec decode acceptance':34s} {spec['acceptance_rate']:.1%} "
             f"({spec['num_accepted_tokens']:.0f} / {spec['num_draft_tokens']:.0f} draft tokens)"
         )
-        lines.append(
-            f"{'spec decode tokens per verify':34s} {spec['mean_accepted_length']:.2f}"
-        )
+        lines.append(f"{'spec decode tokens per verify':34s} {spec['mean_accepted_length']:.2f}")
     for err in summary["errors"]:
         lines.append(f"error: {err}")
     return "\n".join(lines)
