@@ -364,3 +364,42 @@ def test_config_errors(checkpoint):
     model = load_model(path, "float32")
     with pytest.raises(UserError, match="no MTP module"):
         _core(model, TextTokenizer.load(path), path, spec=SPECS["mtp-1"])
+
+
+def test_served_outputs_identical_with_speculation(checkpoint):
+    """Through `mci serve` and the official client: the same greedy text with speculation off,
+    with MTP and with n-gram drafts, streamed or not; the drafts show on /metrics."""
+    import httpx
+    import openai
+    from server_helpers import LiveServer
+
+    path = checkpoint()
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [12], list(range(20, 45))]
+
+    def outputs(server) -> list:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        got = []
+        for i, prompt in enumerate(prompts):
+            kw = dict(model="m", prompt=prompt, max_tokens=24, temperature=0, logprobs=1)
+            kw["extra_body"] = {"ignore_eos": True, "speculative": i != 2}
+            whole = client.completions.create(**kw).choices[0]
+            streamed = "".join(
+                c.choices[0].text for c in client.completions.create(**kw, stream=True)
+            )
+            assert streamed == whole.text
+            got.append((whole.text, [round(x, 3) for x in whole.logprobs.token_logprobs]))
+        return got
+
+    common = ("--served-model-name", "m")
+    with LiveServer(path, *common) as server:
+        reference = outputs(server)
+    for flags in (("mtp", "2"), ("ngram", "3")):
+        spec = ("--speculative-algorithm", flags[0], "--speculative-num-steps", flags[1])
+        with LiveServer(path, *common, *spec) as server:
+            assert outputs(server) == reference, flags
+            metrics = httpx.get(server.url + "/metrics").text
+            state = server.wait_idle()
+        drafts = [line for line in metrics.splitlines() if line.startswith("mci:spec_decode")]
+        proposed = next(x for x in drafts if x.startswith("mci:spec_decode_num_draft_tokens_total"))
+        assert float(proposed.split()[-1]) > 0, drafts
+        assert state["free_slots"] + state["tree_tokens"] == state["num_slots"]

@@ -42,9 +42,17 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0
 
 
+DATASETS = ("random", "shared-prefix", "code", "code-edit")
+CHARS_PER_TOKEN = 3  # code text, for sizing text prompts without the server's tokenizer
+
+
 def make_prompts(
     dataset: str, num: int, input_len: int, prefix_len: int, vocab: int, seed: int
-) -> list[list[int]]:
+) -> list[list[int]] | list[str]:
+    """Token-id prompts (random, shared-prefix), or text prompts cut from the held-out Python
+    modules of the bundled model's corpus: `code` continues a stretch of code; `code-edit`
+    gives a stretch of code, then starts it again ("# Edited version:" and its first line),
+    as an editing request does, so the output largely repeats the prompt."""
     rng = random.Random(seed)
 
     def ids(n: int) -> list[int]:
@@ -55,7 +63,26 @@ def make_prompts(
     if dataset == "shared-prefix":
         prefix = ids(prefix_len)
         return [prefix + ids(input_len) for _ in range(num)]
-    raise UserError(f"unknown dataset {dataset!r} (random, shared-prefix)")
+    if dataset in ("code", "code-edit"):
+        return [_code_prompt(rng, input_len, dataset == "code-edit") for _ in range(num)]
+    raise UserError(f"unknown dataset {dataset!r} ({', '.join(DATASETS)})")
+
+
+def _code_prompt(rng: random.Random, input_len: int, edit: bool) -> str:
+    """About `input_len` tokens of held-out code, starting and ending on a line boundary (a
+    prompt ends before its last newline: see docs/default-model.md)."""
+    from mci.tools.corpus import corpus_files
+
+    held_out = corpus_files()[1]
+    text = rng.choice(held_out).read_text()
+    chars = input_len * CHARS_PER_TOKEN // (2 if edit else 1)
+    start = text.rfind("\n", 0, rng.randrange(0, max(1, len(text) - chars))) + 1
+    block = text[start : start + chars]
+    block = block[: block.rfind("\n")] if "\n" in block else block
+    if not edit:
+        return block
+    first_line = block.split("\n", 1)[0]
+    return f"{block}\n\n# Edited version:\n{first_line}"
 
 
 async def _one(
@@ -343,10 +370,15 @@ def add_arguments(p) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--model", default=None, help="default: the server's first model")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--dataset", default="random", choices=["random", "shared-prefix"])
+    p.add_argument("--dataset", default="random", choices=list(DATASETS))
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--request-rate", default="inf", help="requests/s (Poisson), or inf")
-    p.add_argument("--input-len", type=int, default=128, help="unique prompt tokens per request")
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=128,
+        help="unique prompt tokens per request (code datasets: about that many)",
+    )
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: shared tokens")
     p.add_argument("--vocab-size", type=int, default=1000, help="random ids drawn below this")

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from mci.config import ModelConfig
+from mci.layers.linear import make_linear
 from mci.layers.norm import RMSNorm
 from mci.models.decoder_layer import DecoderLayer
 
@@ -28,8 +29,7 @@ class SharedHead(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
-        self.head.weight.requires_grad_(False)
+        self.head = make_linear(cfg.hidden_size, cfg.vocab_size, dtype, None)  # never FP8
 
 
 class MTPLayer(DecoderLayer):
@@ -40,8 +40,7 @@ class MTPLayer(DecoderLayer):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, _freeze=True)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False, dtype=dtype)
-        self.eh_proj.weight.requires_grad_(False)
+        self.eh_proj = make_linear(2 * cfg.hidden_size, cfg.hidden_size, dtype, None)  # plain
         self.shared_head = SharedHead(cfg, dtype)
 
     def forward(

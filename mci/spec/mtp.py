@@ -52,41 +52,40 @@ class MTPDrafter:
         budgets: dict[int, int],
     ) -> dict[int, list[int]]:
         """The `Drafter` seam (see speculator.py)."""
-        last_rows = self._write_latents(items, hidden, new_tokens)
         drafting = [i for i in new_tokens if budgets.get(i, 0) > 0]
+        # The chain: depth d runs the module at position (last kept) + d - 1, from the main
+        # state there and the token just sampled (depth 1, in the same forward as the latents
+        # written this step), then from its own state and its last draft.
+        state = self._write_latents(items, hidden, new_tokens, drafting)
         if not drafting:
             return {}
-        # The chain: depth d runs the module at position (last kept) + d - 1, from the main
-        # state there and the token just sampled, then from its own state and last draft.
-        state = hidden[[last_rows[i] for i in drafting]]
-        ids = [new_tokens[i][-1] for i in drafting]
         drafts: dict[int, list[int]] = {i: [] for i in drafting}
-        going = list(range(len(drafting)))  # indices into `drafting`; a fixed scratch row each
-        for depth in range(1, max(budgets[i] for i in drafting) + 1):
-            chunks = []
-            for j in going:
-                item = items[drafting[j]]
-                end = item.start + _kept(item, new_tokens.get(drafting[j]))  # past last kept
-                slots = torch.cat((item.request.slots[1:end], self.scratch[j, :depth]))
-                chunks.append(SequenceChunk(slots, 1))
-            state = self._forward(chunks, ids, state)
+        going = list(range(len(drafting)))  # indices into `drafting`, and scratch rows
+        depth = 1
+        while True:
             tokens = self.model.mtp_logits(0, state).argmax(dim=-1).tolist()
             for j, token in zip(going, tokens, strict=True):
                 drafts[drafting[j]].append(token)
-            ids = tokens
             keep = [k for k, j in enumerate(going) if budgets[drafting[j]] > depth]
-            state = state[keep]
-            going = [going[k] for k in keep]
-            ids = [ids[k] for k in keep]
-            if not going:
-                break
-        return drafts
+            if not keep:
+                return drafts
+            depth += 1
+            going, state = [going[k] for k in keep], state[keep]
+            chunks = []
+            for j in going:
+                item = items[drafting[j]]
+                end = item.start + _kept(item, new_tokens[drafting[j]])  # past the last kept
+                slots = torch.cat((item.request.slots[1:end], self.scratch[j, :depth]))
+                chunks.append(SequenceChunk(slots, 1))
+            state = self._forward(chunks, [tokens[k] for k in keep], state)
 
-    def _write_latents(self, items, hidden, new_tokens) -> dict[int, int]:
+    def _write_latents(self, items, hidden, new_tokens, drafting: list[int]) -> torch.Tensor:
         """Write the module's latents of every position whose next token and next slot both
-        exist now, and leave each item's last kept position pending. Returns, by item index,
-        the row in `hidden` of that last kept position."""
-        chunks, next_ids, rows, pending, last_rows = [], [], [], [], {}
+        exist now, and leave each item's last kept position pending; for each item in
+        `drafting` (indices into `items`), also run the module at that last position (its
+        latent to the item's first scratch slot). Returns those runs' states, in order."""
+        chunks, next_ids, rows, pending, draft_rows = [], [], [], [], []
+        scratch_row = {i: j for j, i in enumerate(drafting)}
         offset = 0
         mtp_row = self.kv_cache[self.model.cfg.num_hidden_layers]
         for i, item in enumerate(items):
@@ -99,21 +98,27 @@ class MTPDrafter:
             tokens = req.token_ids[: start + known] + new_tokens.get(i, [])
             first = start - 1 if req.mtp_pending is not None else start
             end = start + kept - 1  # positions first .. end - 1 get their latents now
-            if end > first:
-                chunks.append(SequenceChunk(req.slots[1 : end + 1], end - first))
-                next_ids.extend(tokens[first + 1 : end + 1])
-                if first < start:
-                    rows.append(hidden.shape[0] + len(pending))
-                    pending.append(req.mtp_pending)
-                rows.extend(range(offset, offset + end - max(first, start)))
-            last_rows[i] = offset + kept - 1
+            slots = req.slots[1 : end + 1]
+            count = end - first
+            if first < start:
+                rows.append(hidden.shape[0] + len(pending))
+                pending.append(req.mtp_pending)
+            rows.extend(range(offset, offset + end - max(first, start)))
+            next_ids.extend(tokens[first + 1 : end + 1])
+            if i in scratch_row:  # the chain's first step, at position `end`
+                slots = torch.cat((slots, self.scratch[scratch_row[i], :1]))
+                count += 1
+                rows.append(offset + kept - 1)
+                next_ids.append(tokens[end + 1])
+                draft_rows.append(len(rows) - 1)
+            if count:
+                chunks.append(SequenceChunk(slots, count))
+            item.request.mtp_pending = hidden[offset + kept - 1].clone()
             offset += item.num_new
-        if chunks:
-            states = torch.cat([hidden, *(p[None] for p in pending)]) if pending else hidden
-            self._forward(chunks, next_ids, states[rows])
-        for i, item in enumerate(items):
-            item.request.mtp_pending = hidden[last_rows[i]].clone()
-        return last_rows
+        if not chunks:
+            return hidden[:0]
+        states = torch.cat([hidden, *(p[None] for p in pending)]) if pending else hidden
+        return self._forward(chunks, next_ids, states[rows])[draft_rows]
 
     def _forward(self, chunks, next_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
         meta = AttentionMetadata.build(chunks, self.device, self.model.attention_key_multiple)
