@@ -8,7 +8,8 @@ drafts mean something; on random weights acceptance is meaningless), through `mc
     code-edit  held-out code, then "# Edited version:" + its       off | ngram k=3,5
                first line (the output repeats the prompt)
 
-Each is measured single-stream (4 prompts one after another) and as a batch of 8 at once. In
+Each is measured single-stream (4 prompts one after another) and as a batch of 8 at once
+(`--batch-sizes`: others, e.g. to place --speculative-disable-by-batch-size). In
 every round the configurations take turns on the same prompts (same seed), one server at a
 time; a markdown table of per-stream ms/token (TPOT, mean over requests; median over rounds),
 the speed-up over "off", the acceptance rate and the tokens per verification is printed and
@@ -45,7 +46,6 @@ CONFIGS = {
         ("ngram k=5", ["--speculative-algorithm", "ngram", "--speculative-num-steps", "5"]),
     ],
 }
-SHAPES = {"single": (1, 4), "batch-8": (8, 1)}  # name -> (prompts at once, runs)
 
 
 def _port() -> int:
@@ -86,17 +86,25 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-docs", action="store_true", help="do not append to docs/benchmarks.md")
+    ap.add_argument("--batch-sizes", default="1,8", help="requests at once, comma-separated")
+    ap.add_argument("--workloads", default=",".join(CONFIGS), help="code, code-edit")
     args = ap.parse_args()
+    # shape name -> (prompts at once, runs): about 4 requests per shape
+    shapes = {
+        ("single" if n == 1 else f"batch-{n}"): (n, max(1, 4 // n))
+        for n in (int(x) for x in args.batch_sizes.split(","))
+    }
+    configs = {k: v for k, v in CONFIGS.items() if k in args.workloads.split(",")}
     tmp = Path(tempfile.mkdtemp(prefix="mci-spec-"))
     # (workload, shape, config) -> per round: (ms/token, acceptance, tokens per verify)
     results: dict[tuple[str, str, str], list[tuple]] = {}
     for rnd in range(args.rounds):
-        for dataset, configs in CONFIGS.items():
-            for name, flags in configs:
+        for dataset, runs_of in configs.items():
+            for name, flags in runs_of:
                 proc, url = _serve(flags, tmp / f"serve-{dataset}-{name}.log")
                 try:
                     _bench(url, dataset, 1, 999, tmp / "warm.json")  # warm-up
-                    for shape, (num, runs) in SHAPES.items():
+                    for shape, (num, runs) in shapes.items():
                         tpots, spec = [], []
                         for run in range(runs):
                             seed = args.seed + 100 * rnd + run
@@ -122,10 +130,10 @@ def main() -> int:
         "| acceptance | tokens per verify |",
         "|---|---|---|---|---|---|---|",
     ]
-    for dataset, configs in CONFIGS.items():
-        for shape in SHAPES:
+    for dataset, runs_of in configs.items():
+        for shape in shapes:
             base = statistics.median(e[0] for e in results[(dataset, shape, "off")])
-            for name, _ in configs:
+            for name, _ in runs_of:
                 rows = results[(dataset, shape, name)]
                 ms = statistics.median(e[0] for e in rows)
                 acc = [e[1] for e in rows if e[1] is not None]

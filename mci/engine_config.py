@@ -80,6 +80,10 @@ class SchedulerConfig:
 
 
 MTP_ALIASES = ("nextn", "eagle")  # SGLang's names for DeepSeek's MTP draft
+# Largest batch (sampling requests in a step) where drafting still paid off, measured with
+# benchmarks/spec_decode.py on the bundled model (docs/speculative.md): an MTP draft costs a
+# module forward per depth; an n-gram draft costs only its verification.
+SPECULATION_MAX_BATCH = {"mtp": 1, "ngram": 8}
 
 
 @dataclass(frozen=True)
@@ -105,10 +109,10 @@ class SpeculativeConfig:
         3, "ngram: longest suffix looked up in the request's earlier tokens"
     )
     speculative_ngram_min_window: int = _opt(1, "ngram: shortest suffix looked up")
-    speculative_disable_by_batch_size: int = _opt(
-        8,
-        "no drafting in a step with more decoding requests than this (verification costs "
-        "more than it saves there)",
+    speculative_disable_by_batch_size: int | None = _opt(
+        None,
+        "no drafting in a step with more sampling requests than this, where verifying costs "
+        "more than it saves (default: measured per algorithm, docs/speculative.md)",
     )
 
     def __post_init__(self):
@@ -132,7 +136,8 @@ class SpeculativeConfig:
             raise UserError(
                 "--speculative-ngram-min-window must be in [1, --speculative-ngram-max-window]"
             )
-        if self.speculative_disable_by_batch_size < 1:
+        limit = self.speculative_disable_by_batch_size
+        if limit is not None and limit < 1:
             raise UserError("--speculative-disable-by-batch-size must be >= 1")
 
     @property
@@ -143,6 +148,14 @@ class SpeculativeConfig:
     def num_steps(self) -> int:
         """Drafts per request per step; 0 when speculation is off."""
         return self.speculative_num_steps if self.enabled else 0
+
+    @property
+    def max_drafting_batch(self) -> int:
+        """Most sampling requests in a step that still drafts: the flag, or the measured
+        break-even of the algorithm on this project's CPU benchmark (docs/speculative.md)."""
+        if self.speculative_disable_by_batch_size is not None:
+            return self.speculative_disable_by_batch_size
+        return SPECULATION_MAX_BATCH.get(self.speculative_algorithm, 0)
 
 
 @dataclass(frozen=True)

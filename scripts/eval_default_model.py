@@ -184,6 +184,10 @@ def model_card(r: dict, cfg) -> str:
         "42`, then `python scripts/eval_default_model.py`); seeds are fixed and `--resume` "
         "continues from the saved state. A time budget makes the step count depend on the "
         "machine's speed; `--steps N` trains exactly N steps for a bit-for-bit rerun",
+        "- then the MTP module alone, main model frozen: 10 minutes (1,885 steps) of "
+        "distillation towards the main model's next-token distribution, the event "
+        "speculative decoding verifies (`python scripts/train_mtp.py --minutes 10`; "
+        "held-out MTP agreement 53.4% before, the figure below after)",
         "",
         "## Held-out results",
         f"Held-out modules (never trained on): {', '.join(r['held_out_files'])} "

@@ -122,8 +122,14 @@ def train_step(model, batch: torch.Tensor, seq: int) -> tuple[torch.Tensor, torc
     hidden = model.hidden_states(inputs.reshape(-1), meta, cache, "expanded")
     main = F.cross_entropy(model.lm_head(hidden), next1.reshape(-1))
     mtp = model.mtp[0]
+    expanded = model.resolve_path(meta, "expanded")
     h2 = mtp(
-        next1.reshape(-1), hidden, meta, model.rope_for(meta), cache[cfg.num_hidden_layers], False
+        next1.reshape(-1),
+        hidden,
+        meta,
+        model.rope_for(meta),
+        cache[cfg.num_hidden_layers],
+        expanded,
     )
     mtp_loss = F.cross_entropy(mtp.logits(h2), next2.reshape(-1))
     return main, mtp_loss

@@ -136,7 +136,7 @@ def _run(model, tokenizer, path, tag, spec=None, drafter=None, sampled=False, **
     core = _core(model, tokenizer, path, spec=spec, **kw)
     if drafter is not None:
         runner = core.runner
-        config = spec or SpeculativeConfig(speculative_algorithm="ngram")
+        config = spec or SPECS["ngram"]
         core.runner = ModelRunner(
             runner.model, runner.kv_cache, runner.eos_ids, Speculator(config, drafter)
         )
@@ -148,11 +148,12 @@ def _run(model, tokenizer, path, tag, spec=None, drafter=None, sampled=False, **
     return _outputs(finals, tag), core
 
 
+ALWAYS = dict(speculative_disable_by_batch_size=64)  # draft in every step of these tests
 SPECS = {
-    "mtp-1": SpeculativeConfig(speculative_algorithm="mtp", speculative_num_steps=1),
-    "mtp-2": SpeculativeConfig(speculative_algorithm="mtp", speculative_num_steps=2),
-    "mtp-3": SpeculativeConfig(speculative_algorithm="nextn", speculative_num_steps=3),
-    "ngram": SpeculativeConfig(speculative_algorithm="ngram", speculative_num_steps=3),
+    "mtp-1": SpeculativeConfig(speculative_algorithm="mtp", speculative_num_steps=1, **ALWAYS),
+    "mtp-2": SpeculativeConfig(speculative_algorithm="mtp", speculative_num_steps=2, **ALWAYS),
+    "mtp-3": SpeculativeConfig(speculative_algorithm="nextn", speculative_num_steps=3, **ALWAYS),
+    "ngram": SpeculativeConfig(speculative_algorithm="ngram", speculative_num_steps=3, **ALWAYS),
 }
 
 
@@ -172,7 +173,7 @@ def test_every_accept_length_with_an_oracle_drafter(fp32):
     path, model, tok = fp32
     reference, _ = _run(model, tok, path, "r")
     truth = {k: v[0] for k, v in reference.items()}
-    spec = SpeculativeConfig(speculative_algorithm="ngram", speculative_num_steps=3)
+    spec = SPECS["ngram"]
     for wrong_every, kw in ((4, {}), (7, dict(max_total_tokens=180, chunked_prefill_size=16))):
         got, core = _run(
             model, tok, path, "o", spec=spec, drafter=OracleDrafter(truth, wrong_every), **kw
@@ -198,6 +199,51 @@ def test_bf16_deterministic_outputs_identical_with_speculation(checkpoint):
     _assert_same(got, reference, exact=True)
 
 
+def test_bundled_model_outputs_identical_with_speculation():
+    """The bundled model (trained: its drafts get accepted) on code prompts, bf16 with
+    deterministic inference: off, MTP k=1..3 and n-gram give the same text."""
+    from mci.engine_config import DEFAULT_MODEL
+
+    model = load_model(DEFAULT_MODEL, "bfloat16")
+    tok = TextTokenizer.load(DEFAULT_MODEL)
+    prompts = [
+        "def fibonacci(n):",
+        "class Stack:\n    def __init__(self):",
+        "import os\n\n\ndef list_python_files(path):\n    for name in os.listdir(path):",
+    ]
+
+    def run(spec):
+        core = _core(model, tok, DEFAULT_MODEL, "bfloat16", spec, deterministic=True)
+        params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+        reqs = [Request(f"d{i}", tok.encode(p), params) for i, p in enumerate(prompts)]
+        return _outputs(drive(core, {0: reqs}), "d"), core.counters
+
+    reference, _ = run(None)
+    for name, spec in SPECS.items():
+        got, counters = run(spec)
+        assert got == reference, name
+        accepted = counters["spec_decode_num_accepted_tokens"]
+        assert accepted > 0.3 * counters["spec_decode_num_draft_tokens"], name  # real drafts
+
+
+def test_checkpoint_written_by_transformers(checkpoint, tmp_path):
+    """A checkpoint saved by transformers' save_pretrained (no MTP layer: transformers drops
+    it), served with n-gram drafts: greedy outputs identical to speculation off."""
+    from conftest import load_hf_reference
+
+    src = checkpoint()
+    load_hf_reference(src).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    model = load_model(tmp_path, "float32")
+    assert not len(model.mtp)
+    tok = TextTokenizer.load(tmp_path)
+    reference, _ = _run(model, tok, tmp_path, "r")
+    got, core = _run(model, tok, tmp_path, "s", spec=SPECS["ngram"], max_total_tokens=180)
+    _assert_same(got, reference, exact=False)
+    assert core.counters["spec_decode_num_draft_tokens"] > 0
+
+
 def _mtp_reference_drafts(model, tokens: list[int], k: int) -> list[int]:
     """The chained MTP drafts after `tokens`, from scratch: the main model over all but the
     last token, the module over every position, then k - 1 chained steps."""
@@ -220,8 +266,7 @@ def test_mtp_latents_stay_consistent(fp32):
     a request's MTP drafts equal the module run from scratch over its tokens: its latent row
     is right for every computed position."""
     path, model, tok = fp32
-    spec = SpeculativeConfig(speculative_algorithm="mtp", speculative_num_steps=3)
-    core = _core(model, tok, path, spec=spec, chunked_prefill_size=8)
+    core = _core(model, tok, path, spec=SPECS["mtp-3"], chunked_prefill_size=8)
     gen = torch.Generator().manual_seed(3)
     shared = torch.randint(3, 1000, (20,), generator=gen).tolist()
     reqs = [

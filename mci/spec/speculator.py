@@ -6,7 +6,7 @@
 A `Drafter` (MTP module: mtp.py; prompt lookup: ngram.py) makes the drafts; the policy here
 bounds them: none for a request that opted out (`SamplingParams.speculative`), none past its
 token limit, and none at all in a step with more sampling requests than
-`--speculative-disable-by-batch-size`, where verifying k+1 positions per request costs more
+`SpeculativeConfig.max_drafting_batch`, where verifying k+1 positions per request costs more
 than the accepted tokens save (measured on this project's CPU: see docs/speculative.md).
 """
 
@@ -42,7 +42,7 @@ class Speculator:
         self, items: list[ScheduledItem], hidden: torch.Tensor, new_tokens: dict[int, list[int]]
     ) -> dict[int, list[int]]:
         """Drafts by item index for the sampling items (`new_tokens`' keys)."""
-        drafting = len(new_tokens) <= self.config.speculative_disable_by_batch_size
+        drafting = len(new_tokens) <= self.config.max_drafting_batch
         budgets = {}
         for i, tokens in new_tokens.items():
             req = items[i].request
