@@ -80,10 +80,12 @@ class SchedulerConfig:
 
 
 MTP_ALIASES = ("nextn", "eagle")  # SGLang's names for DeepSeek's MTP draft
-# Largest batch (sampling requests in a step) where drafting still paid off, measured with
-# benchmarks/spec_decode.py on the bundled model (docs/speculative.md): an MTP draft costs a
-# module forward per depth; an n-gram draft costs only its verification.
-SPECULATION_MAX_BATCH = {"mtp": 1, "ngram": 8}
+# Per algorithm, measured with benchmarks/spec_decode.py on the bundled model (docs/speculative.md):
+# the fastest draft length single-stream, and the largest batch (sampling requests in a step)
+# where drafting still paid off. An MTP draft costs a module forward per depth; an n-gram
+# draft costs only its verification (and a request whose text never repeats drafts nothing).
+SPECULATION_DEFAULT_STEPS = {"mtp": 2, "ngram": 5}
+SPECULATION_MAX_BATCH = {"mtp": 4, "ngram": 8}
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,9 @@ class SpeculativeConfig:
         "by prompt lookup (ngram, any model); off when not given",
         ["mtp", "ngram", *MTP_ALIASES],
     )
-    speculative_num_steps: int = _opt(3, "draft tokens per request per step (k)")
+    speculative_num_steps: int | None = _opt(
+        None, "draft tokens per request per step, k (default: mtp 2, ngram 5; measured)"
+    )
     speculative_num_draft_tokens: int | None = _opt(
         None, "tokens verified per request per step: num_steps + 1 (SGLang's flag)"
     )
@@ -124,13 +128,17 @@ class SpeculativeConfig:
             )
         if self.speculative_algorithm not in (None, "mtp", "ngram"):
             raise UserError(f"--speculative-algorithm must be mtp or ngram, got {algo!r}")
-        if not 1 <= self.speculative_num_steps <= 16:
+        steps = self.speculative_num_steps
+        if steps is None:
+            steps = SPECULATION_DEFAULT_STEPS.get(self.speculative_algorithm, 1)
+            object.__setattr__(self, "speculative_num_steps", steps)
+        if not 1 <= steps <= 16:
             raise UserError("--speculative-num-steps must be in [1, 16]")
         draft_tokens = self.speculative_num_draft_tokens
-        if draft_tokens is not None and draft_tokens != self.speculative_num_steps + 1:
+        if draft_tokens is not None and draft_tokens != steps + 1:
             raise UserError(
                 "--speculative-num-draft-tokens must be --speculative-num-steps + 1 "
-                f"({self.speculative_num_steps + 1}): drafts are chains, not trees"
+                f"({steps + 1}): drafts are chains, not trees"
             )
         if not 1 <= self.speculative_ngram_min_window <= self.speculative_ngram_max_window:
             raise UserError(
