@@ -90,6 +90,7 @@ def run_batch(engine: Engine, input_path: Path, output_path: Path, model_name: s
                 raise UserError("'stream' is not supported in a batch")
             with protocol.reported_as(names):  # every prompt is checked before any is queued
                 encoded = [engine.front.encode(p) for p in texts]
+                engine.front.check_constraint(job.params)
                 planned = [
                     engine.front.requests(f"batch-{i}-{k}", ids, job.params)
                     for k, ids in enumerate(encoded)

@@ -95,6 +95,7 @@ class Engine:
         """
         base = request_id or f"req-{uuid.uuid4().hex[:12]}"
         ids = self.front.encode(prompt)
+        self.front.check_constraint(params)
         return self.submit_requests(
             self.front.requests(base, ids, params, priority, timeout_s), sink
         )
@@ -129,6 +130,7 @@ class Engine:
                     cond.notify_all()
 
         encoded = [self.front.encode(p) for p in prompts]
+        self.front.check_constraint(params)
         bases = [f"gen-{next(self._ids)}" for _ in encoded]
         # every prompt is checked (front.requests) before any is queued
         planned = [

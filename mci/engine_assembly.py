@@ -18,6 +18,7 @@ from mci.cpu_allocator import keep_freed_memory
 from mci.engine_config import EngineConfig
 from mci.engine_core import EngineCore
 from mci.errors import UserError
+from mci.grammar.cache import xgrammar_cache
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.loader import load_model
 from mci.request_front import RequestFront
@@ -59,8 +60,9 @@ def assemble(
         model.weight_bytes() / 1e6,
     )
     cfg = model.cfg
-    front = RequestFront(tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
-    return EngineParts(model, tokenizer, build_engine_core(config, model, tokenizer), front)
+    core = build_engine_core(config, model, tokenizer)
+    front = RequestFront(tokenizer, cfg.vocab_size, cfg.max_position_embeddings, core.grammar)
+    return EngineParts(model, tokenizer, core, front)
 
 
 def build_engine_core(
@@ -95,7 +97,8 @@ def build_engine_core(
     )
     # MTP latents need a matched prefix's last position computed again (see mci/spec/mtp.py)
     kv = KVCacheManager(pool, radix, match_margin=1 if with_mtp else 0)
-    scheduler = Scheduler(config.scheduler, kv, OutputProcessor(tokenizer, eos_ids))
+    outputs = OutputProcessor(tokenizer, eos_ids, config.scheduler.enable_jump_forward)
+    scheduler = Scheduler(config.scheduler, kv, outputs)
     # Chained MTP drafts write latents of unverified positions: to scratch slots after the
     # pool's, a row of num_steps per request that can share a step (see mci/spec/mtp.py).
     scratch_cols = spec.num_steps if with_mtp else 0
@@ -127,4 +130,5 @@ def build_engine_core(
             "speculative decoding: %s, %d draft tokens", spec.speculative_algorithm, spec.num_steps
         )
     runner = ModelRunner(model, kv_cache, eos_ids, speculator)
-    return EngineCore(scheduler, runner, config.check_integrity)
+    grammar = xgrammar_cache(tokenizer, cfg.vocab_size, eos_ids)
+    return EngineCore(scheduler, runner, config.check_integrity, grammar)

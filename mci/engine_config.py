@@ -67,6 +67,11 @@ class SchedulerConfig:
         "lpm", "admission order: lpm (longest cached prefix first) or fcfs", ["lpm", "fcfs"]
     )
     decode_reserve_tokens: int = _opt(16, "KV tokens kept free per running request at admission")
+    enable_jump_forward: bool = _opt(
+        False,
+        "structured output: append the text a grammar forces (e.g. a fixed key) without a "
+        "model step per token; computed in the next step like a prompt chunk",
+    )
 
     def __post_init__(self):
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:

@@ -13,19 +13,31 @@ from collections import Counter
 from mci.cache.kv_manager import KVCacheManager
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request
+from mci.grammar.cache import GrammarCache
 from mci.runner.model_runner import ModelRunner
 from mci.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("mci")
+GRAMMAR_WAIT_S = 0.005  # longest an idle step waits for a compiling grammar
 
 
 class EngineCore:
     """A scheduler and a model runner, stepped together. Not thread-safe: one driver."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, check_integrity: bool = False):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        check_integrity: bool = False,
+        grammar: GrammarCache | None = None,
+    ):
         self.scheduler = scheduler
         self.runner = runner
         self.check_integrity_each_step = check_integrity
+        self.grammar = grammar  # compiles constraints off this thread (None: no constraints)
+        # a matcher must undo the drafts it accepted while they were being verified
+        speculator = runner.speculator
+        self._grammar_rollback = speculator.config.num_steps if speculator else 0
 
     @property
     def kv(self) -> KVCacheManager:
@@ -44,8 +56,22 @@ class EngineCore:
         return self.scheduler.has_work
 
     def add_request(self, req: Request) -> RequestOutput | None:
-        """Queue a request; returns its final output at once if it can never run."""
+        """Queue a request; returns its final output at once if it can never run. A
+        constrained request starts compiling its grammar now (admitted once it is ready)."""
+        constraint = req.params.constraint
+        if constraint is not None:
+            if self.grammar is None:
+                raise RuntimeError("this engine has no grammar backend")
+            req.grammar = self.grammar.state(constraint, self._grammar_rollback)
         return self.scheduler.add_request(req)
+
+    def _wait_for_a_grammar(self) -> None:
+        """Nothing could run: if a waiting request's grammar is still compiling, give the
+        compile thread a moment (briefly: new requests may arrive) instead of spinning."""
+        for req in self.scheduler.waiting:
+            if req.grammar is not None and req.grammar.matcher is None:
+                req.grammar.wait(GRAMMAR_WAIT_S)
+                return
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         return self.scheduler.abort_request(request_id)
@@ -55,11 +81,13 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Advance every runnable request by one step; returns the step's outputs."""
-        outputs = self.scheduler.expire_deadlines()
+        outputs = self.scheduler.expire_deadlines() + self.scheduler.reject_failed_grammars()
         batch = self.scheduler.schedule()
         if batch:
             result = self.runner.execute(batch)
             outputs += self.scheduler.update(batch, result)
+        else:
+            self._wait_for_a_grammar()
         if self.check_integrity_each_step:
             self.check_integrity()
         return outputs

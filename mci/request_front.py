@@ -14,6 +14,7 @@ import time
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
 from mci.errors import InvalidParameter
+from mci.grammar.cache import GrammarCache
 from mci.tokenizer import TextTokenizer
 
 
@@ -26,10 +27,17 @@ class RequestFront:
     """Tokenises and validates prompts against one vocabulary and context length, and fans a
     prompt out into one `Request` per sample (ids, seeds, deadline)."""
 
-    def __init__(self, tokenizer: TextTokenizer, vocab_size: int, context_length: int):
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        vocab_size: int,
+        context_length: int,
+        grammar: GrammarCache | None = None,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_length = context_length
+        self.grammar = grammar
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (as transformers' tokenizer gives them), or the given ids
@@ -53,6 +61,17 @@ class RequestFront:
                 code="context_length_exceeded",
             )
         params.check_vocab(self.vocab_size)
+
+    def check_constraint(self, params: SamplingParams) -> None:
+        """Compile the output constraint (cached): a malformed or unsupported one is an
+        InvalidParameter here, before anything is queued. Blocks while compiling: callers on
+        an event loop run it in a thread; the engine process never calls it (its front end
+        did)."""
+        if params.constraint is None:
+            return
+        if self.grammar is None:
+            raise InvalidParameter("structured output is not available here", "response_format")
+        self.grammar.compile_now(params.constraint)
 
     def requests(
         self,

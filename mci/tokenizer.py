@@ -180,6 +180,11 @@ class TextTokenizer:
             self._template = env.from_string(chat_template)
 
     @property
+    def backend(self):
+        """The underlying `tokenizers.Tokenizer` (its vocabulary and JSON, for grammar masks)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 

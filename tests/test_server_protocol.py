@@ -116,9 +116,9 @@ def test_logit_bias_forces_and_bans(client):
     [
         (
             "/v1/chat/completions",
-            {"response_format": {"type": "json_object"}},
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
             "response_format",
-            "not supported yet",
+            "needs",
         ),
         (
             "/v1/chat/completions",
@@ -128,11 +128,13 @@ def test_logit_bias_forces_and_bans(client):
         ),
         (
             "/v1/chat/completions",
-            {"guided_json": {"type": "object"}},
+            {"guided_json": "{not json"},
             "guided_json",
-            "not supported yet",
+            "not valid JSON",
         ),
-        ("/v1/completions", {"regex": "a+"}, "regex", "not supported yet"),
+        ("/v1/completions", {"regex": "(("}, "regex", "invalid regex"),
+        ("/v1/completions", {"guided_decoding_backend": "x"}, "guided_decoding_backend", "not"),
+        ("/v1/completions", {"choice": ["a"], "ebnf": 'root ::= "a"'}, "choice", "at most one"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user"}]},
@@ -156,9 +158,9 @@ def test_logit_bias_forces_and_bans(client):
         ("/v1/chat/completions", {"stop": ["\udfff"]}, "stop[0]", "surrogate"),
         (
             "/generate",
-            {"text": "x", "sampling_params": {"json_schema": "{}"}},
+            {"text": "x", "sampling_params": {"json_schema": "{bad"}},
             "sampling_params.json_schema",
-            "not supported yet",
+            "not valid JSON",
         ),
         ("/generate", {"text": "x", "input_ids": [1]}, "text", "exactly one"),
     ],

@@ -66,6 +66,10 @@ class Request:
     # The tree's slot of the position a prefix match left to compute again (`match_margin`),
     # kept alive by the request's lock until its first step copies that slot's MTP latent.
     matched_next_slot: int | None = None
+    # --- structured output ---------------------------------------------------------------------
+    # The request's grammar (mci.grammar.cache.GrammarState) when its params carry a
+    # constraint: admitted once compiled; its matcher has accepted exactly `output_ids`.
+    grammar: object = None
     # --- sampling ----------------------------------------------------------------------------
     generator: torch.Generator = field(default=None)
     token_counts: torch.Tensor | None = None  # [vocab] output-token counts, for penalties

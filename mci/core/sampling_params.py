@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mci.errors import InvalidParameter
+from mci.grammar.constraint import Constraint
 
 MAX_N = 128  # samples per prompt; more is a mistake, not a workload
 
@@ -41,6 +42,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     skip_special_tokens: bool = True
     speculative: bool = True  # False: never draft for this request (speculation opt-out)
+    constraint: Constraint | None = None  # what the output must match (structured output)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

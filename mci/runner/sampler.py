@@ -1,11 +1,12 @@
 """Batched sampling: one call per step for every request that needs a token.
 
 Order of operations per row: logit_bias, penalties (repetition over prompt+output,
-frequency/presence over output), min-token EOS masking, temperature, top-k, min-p, top-p,
-then a draw. Rows are vectorised; the only per-request Python is drawing each request's
-noise from its own random stream, seeded per (request seed, output position), which makes
-seeded sampling independent of whatever else shares the batch (exponential-race sampling:
-argmax(p / E), E ~ Exp(1), picks i with probability p_i).
+frequency/presence over output), min-token EOS masking, the grammar's token mask (structured
+output), temperature, top-k, min-p, top-p, then a draw. Rows are vectorised; the only
+per-request Python is drawing each request's noise from its own random stream, seeded per
+(request seed, output position), which makes seeded sampling independent of whatever else
+shares the batch (exponential-race sampling: argmax(p / E), E ~ Exp(1), picks i with
+probability p_i).
 
 A row may sample a position past the request's known tokens (`SampleRow.assumed`): speculative
 verification samples every drafted position in the same call, each as if the drafts before it
@@ -95,6 +96,39 @@ def _mask_stop_tokens_before_min(logits, rows: list[SampleRow], eos_ids: tuple[i
                 logits[i, banned] = float("-inf")
 
 
+def _apply_grammars(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Mask each constrained row to the tokens its grammar allows after the request's output
+    plus the row's assumed drafts. A request's rows come in order of growing `assumed`
+    (verification); the matcher accepts each draft on the way and rolls them all back after,
+    so it ends where it began. A row after a draft the grammar forbids is left unmasked: it is
+    never used (the target's token at that draft's row cannot be the forbidden draft); so is
+    a row after a draft that completed the grammar (the request ends there)."""
+    constrained = [i for i, r in enumerate(rows) if r.request.grammar is not None]
+    if not constrained:
+        return
+    backend = rows[constrained[0]].request.grammar.backend
+    bitmask = backend.new_bitmask(len(rows))
+    masked = []
+    i = 0
+    while i < len(constrained):
+        req = rows[constrained[i]].request
+        matcher = req.grammar.matcher
+        accepted, valid = 0, True
+        while i < len(constrained) and rows[constrained[i]].request is req:
+            row = constrained[i]
+            assumed = rows[row].assumed
+            while valid and accepted < len(assumed):
+                valid = matcher.accept(assumed[accepted])
+                accepted += valid
+            # past a draft that ended the grammar (its stop token) the request is over too
+            if valid and not matcher.is_terminated():
+                matcher.fill_mask(bitmask, row)
+                masked.append(row)
+            i += 1
+        matcher.rollback(accepted)
+    backend.apply_bitmask(logits, bitmask, masked)
+
+
 def sample(
     logits: torch.Tensor, rows: list[SampleRow | Request], eos_ids: tuple[int, ...]
 ) -> Draws:
@@ -111,6 +145,7 @@ def sample(
     if penalised:
         _apply_penalties(logits, penalised, rows)
     _mask_stop_tokens_before_min(logits, rows, eos_ids)
+    _apply_grammars(logits, rows)
 
     temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
     greedy = temps == 0

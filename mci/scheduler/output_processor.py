@@ -8,12 +8,15 @@ the concatenated deltas always equal the final text.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request, RequestStatus
 from mci.detokenizer import IncrementalDetokenizer
 from mci.tokenizer import TextTokenizer
+
+log = logging.getLogger("mci")
 
 
 @dataclass
@@ -27,10 +30,13 @@ class _TextState:
 class OutputProcessor:
     """Per-request text state; decides when a request is finished."""
 
-    def __init__(self, tokenizer: TextTokenizer, eos_ids: tuple[int, ...]):
+    def __init__(
+        self, tokenizer: TextTokenizer, eos_ids: tuple[int, ...], jump_forward: bool = False
+    ):
         self._tokenizer = tokenizer
         self._eos_ids = frozenset(eos_ids)
         self._states: dict[str, _TextState] = {}
+        self.jump_forward = jump_forward
 
     def add(self, req: Request) -> None:
         holdback = max((len(s) for s in req.params.stop), default=1) - 1
@@ -47,7 +53,32 @@ class OutputProcessor:
             appended.append(token)
             if req.is_finished:
                 break
+        if self.jump_forward and not req.is_finished and req.grammar is not None:
+            for token in self._forced_tokens(req):
+                self._append(req, token, None)
+                appended.append(token)
+                if req.is_finished:
+                    break
         return self._output(req, appended)
+
+    def _forced_tokens(self, req: Request) -> list[int]:
+        """Jump-forward: the tokens of the text the grammar admits as the only continuation
+        (tokenised on their own), if the grammar accepts that tokenisation; none for a
+        request that wants logprobs (forced tokens have none)."""
+        if req.params.logprobs is not None:
+            return []
+        matcher = req.grammar.matcher
+        text = matcher.find_jump_forward_string()
+        if not text:
+            return []
+        ids = self._tokenizer.encode(text, add_bos=False)
+        accepted = 0
+        for token in ids:
+            if not matcher.accept(token):
+                break
+            accepted += 1
+        matcher.rollback(accepted)  # `_append` accepts them again, one by one
+        return ids if accepted == len(ids) else []
 
     def _append(self, req: Request, token: int, logprob) -> None:
         state = self._states[req.request_id]
@@ -55,7 +86,9 @@ class OutputProcessor:
         req.append_token(token)
         if logprob is not None:
             req.logprobs.append(logprob)
-        if token in p.stop_token_ids:
+        if req.grammar is not None and self._grammar_ends(req, token):
+            self._finish(req, "stop", None)
+        elif token in p.stop_token_ids:
             self._finish(req, "stop", token)
         elif token in self._eos_ids and not p.ignore_eos:
             self._finish(req, "stop", None)
@@ -74,6 +107,17 @@ class OutputProcessor:
                 self._finish(req, "stop", stop)
         if not req.is_finished and len(req.output_ids) >= p.max_new_tokens:
             self._finish(req, "length", None)
+
+    @staticmethod
+    def _grammar_ends(req: Request, token: int) -> bool:
+        """Advance the request's grammar by its new token; True once the grammar has taken its
+        end (its output is complete). A token the mask allowed is always accepted; one that
+        is not (a bug) ends the request rather than emit output that breaks its grammar."""
+        matcher = req.grammar.matcher
+        if not matcher.accept(token):
+            log.error("%s: token %d breaks its grammar; ending it", req.request_id, token)
+            return True
+        return matcher.is_terminated()
 
     def on_prompt_only(self, req: Request) -> RequestOutput:
         """A request with max_new_tokens = 0 has computed (and scored) its prompt."""

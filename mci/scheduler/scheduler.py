@@ -120,6 +120,8 @@ class Scheduler:
         for req in self._admission_order():
             if len(self.running) >= cfg.max_running_requests or budget.left <= 0:
                 break
+            if req.grammar is not None and not _grammar_ready(req):
+                continue  # still compiling: the others go ahead
             self.kv.match(req)
             if self._shares_prefill_in_flight(req, prefilling):
                 self.kv.release(req)
@@ -170,7 +172,8 @@ class Scheduler:
             self.counters["generation_tokens"] += len(out.new_token_ids)
             if item.draft_ids:
                 self._apply_verification(item, result.num_accepted[i], len(out.new_token_ids))
-            req.draft_ids = list(result.draft_ids[i]) if result.draft_ids else []
+            jumped = len(out.new_token_ids) > len(result.token_ids[i])  # drafts no longer fit
+            req.draft_ids = list(result.draft_ids[i]) if result.draft_ids and not jumped else []
             if req.is_finished:
                 self._retire(req)
         return outputs
@@ -257,9 +260,30 @@ class Scheduler:
         ]
         return [self._abort(r, "request timed out") for r in expired]
 
+    def reject_failed_grammars(self) -> list[RequestOutput]:
+        """Abort waiting requests whose constraint failed to compile (the HTTP front end
+        compiles first and answers 400, so this is for in-process callers)."""
+        failed = []
+        for req in list(self.waiting):
+            if req.grammar is None:
+                continue
+            try:
+                req.grammar.ready()
+            except Exception as exc:  # noqa: BLE001 - the compile error, reported to the caller
+                failed.append(self._abort(req, str(exc)))
+        return failed
+
     def abort_all(self, error: str) -> list[RequestOutput]:
         """Fail every request (engine shutdown or a failed step)."""
         return [self._abort(r, error) for r in list(self.running) + list(self.waiting)]
+
+
+def _grammar_ready(req: Request) -> bool:
+    """Compiled (a failure is left for `reject_failed_grammars`)."""
+    try:
+        return req.grammar.ready()
+    except Exception:  # noqa: BLE001
+        return False
 
 
 class _Budget:

@@ -87,6 +87,15 @@ def _prompt_ids(state: ServerState, prompts, params: SamplingParams, names) -> l
     return encoded
 
 
+async def _check_constraint(state: ServerState, params: SamplingParams, names) -> None:
+    """Compile the request's output constraint (cached) off the event loop: a bad schema,
+    regex or grammar is a 400 here, before anything is queued."""
+    if params.constraint is None:
+        return
+    with protocol.reported_as(names):
+        await asyncio.to_thread(state.front.check_constraint, params)
+
+
 _ERRORS = {
     400: "bad input: the field is named in error.param",
     401: "missing or wrong API key",
@@ -217,6 +226,7 @@ def build_app(state: ServerState) -> FastAPI:
         params = protocol.completion_params(body)
         texts = protocol.completion_prompts(body)
         encoded = _prompt_ids(state, texts, params, protocol.COMPLETION_NAMES)
+        await _check_constraint(state, params, protocol.COMPLETION_NAMES)
         prompts = list(zip(texts, encoded, strict=True))
         _admit(state, len(prompts) * params.n)
         rid = protocol.new_id("cmpl")
@@ -236,6 +246,7 @@ def build_app(state: ServerState) -> FastAPI:
         params = protocol.chat_params(body)
         ids = protocol.chat_prompt_ids(state.tokenizer, body)
         (ids,) = _prompt_ids(state, [ids], params, protocol.CHAT_NAMES)
+        await _check_constraint(state, params, protocol.CHAT_NAMES)
         _admit(state, params.n)
         rid = protocol.new_id("chatcmpl")
         sub = Submission(state, rid, [ids], params, body.priority or 0)
@@ -260,6 +271,7 @@ def build_app(state: ServerState) -> FastAPI:
             body.input_ids is not None and isinstance(body.input_ids[0], int)
         )
         encoded = _prompt_ids(state, prompts, params, protocol.NATIVE_NAMES)
+        await _check_constraint(state, params, protocol.NATIVE_NAMES)
         _admit(state, len(prompts) * params.n)
         rid = protocol.new_id("gen")
         sub = Submission(state, rid, encoded, params, body.priority or 0)

@@ -28,16 +28,9 @@ def _clean_text(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_clean_text)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-NOT_YET_SUPPORTED = {  # fields of other engines' APIs that need structured outputs
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
+NOT_YET_SUPPORTED = {  # fields of other engines' structured-output APIs mci does not take
     "guided_decoding_backend",
     "guided_whitespace_pattern",
-    "regex",
-    "json_schema",
-    "ebnf",
     "structural_tag",
 }
 
@@ -48,6 +41,13 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = Field(
+        None, description='{"name", "schema", "strict"} with type json_schema'
+    )
 
 
 class _SamplingFields(_Strict):
@@ -80,6 +80,17 @@ class _SamplingFields(_Strict):
     speculative: bool | None = Field(
         None, description="false: no speculative drafts for this request (opt-out; default true)"
     )
+    # structured output: at most one of these (vLLM's guided_* spellings accepted too)
+    response_format: ResponseFormat | None = None
+    regex: Text | None = Field(None, description="the output fully matches this regex")
+    guided_regex: Text | None = Field(None, description="vLLM's name for regex")
+    choice: list[Text] | None = Field(None, description="the output is one of these strings")
+    guided_choice: list[Text] | None = Field(None, description="vLLM's name for choice")
+    ebnf: Text | None = Field(None, description="the output matches this EBNF grammar (root)")
+    guided_grammar: Text | None = Field(None, description="vLLM's name for ebnf")
+    guided_json: dict[str, Any] | Text | None = Field(
+        None, description="vLLM's: the output is JSON valid against this schema"
+    )
 
 
 class CompletionRequest(_SamplingFields):
@@ -101,11 +112,6 @@ class ChatMessage(_Strict):
     name: Text | None = None
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class FunctionDefinition(_Strict):
     name: Text
     description: Text | None = None
@@ -123,7 +129,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = Field(None, description="accepted and ignored")
@@ -151,6 +156,9 @@ class NativeSamplingParams(_Strict):
     n: int | None = None
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
+    json_schema: Text | None = Field(None, description="the output is JSON valid against it")
+    regex: Text | None = None
+    ebnf: Text | None = None
 
 
 class GenerateRequest(_Strict):

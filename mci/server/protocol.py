@@ -8,6 +8,7 @@ Value ranges are SamplingParams' own checks, reported under the API's name for t
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
 from mci.errors import InvalidParameter
+from mci.grammar.constraint import Constraint
 from mci.server.openai_types import (
     NOT_YET_SUPPORTED,
     ChatCompletionRequest,
@@ -54,9 +56,7 @@ def from_validation_errors(errors: list[dict]) -> InvalidParameter:
     if kind == "extra_forbidden":
         name = str(first["loc"][-1])
         if name in NOT_YET_SUPPORTED:
-            return InvalidParameter(
-                f"'{name}' is not supported yet (structured outputs are not implemented)", param
-            )
+            return InvalidParameter(f"'{name}' is not supported", param)
         return InvalidParameter(f"unknown field '{param}'", param)
     if kind == "json_invalid":
         return InvalidParameter(f"malformed JSON body: {first.get('msg', '')}")
@@ -83,7 +83,14 @@ def parse(model: type[BaseModel], body) -> BaseModel:
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 COMPLETION_NAMES = {**_OPENAI_NAMES, "prompt_logprobs": "logprobs"}
 CHAT_NAMES = {**_OPENAI_NAMES, "logprobs": "top_logprobs", "prompt": "messages"}
-NATIVE_NAMES: dict[str, str] = {}  # SGLang's native API uses the engine's names
+# SGLang's native API uses the engine's names, except its constraint fields (and the kind a
+# compile error reports) sit under sampling_params
+NATIVE_NAMES: dict[str, str] = {
+    "json_schema": "sampling_params.json_schema",
+    "response_format": "sampling_params.json_schema",
+    "regex": "sampling_params.regex",
+    "ebnf": "sampling_params.ebnf",
+}
 
 
 @contextmanager
@@ -128,7 +135,60 @@ def _common(req) -> dict:
         skip_special_tokens=req.skip_special_tokens,
         logit_bias=_logit_bias(req.logit_bias),
         speculative=req.speculative,
+        constraint=_constraint(req),
     )
+
+
+def _constraint(req) -> Constraint | None:
+    """The output constraint of an OpenAI-style or native request: at most one of the
+    structured-output fields (each API's spelling)."""
+    given = []
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type == "json_object":
+        given.append(("response_format", Constraint("json")))
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = (fmt.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidParameter(
+                "response_format json_schema needs 'json_schema': {'name', 'schema'}",
+                "response_format",
+            )
+        given.append(("response_format", Constraint("json_schema", json.dumps(schema))))
+    for name, kind in (
+        ("regex", "regex"),
+        ("guided_regex", "regex"),
+        ("ebnf", "ebnf"),
+        ("guided_grammar", "ebnf"),
+    ):
+        value = getattr(req, name, None)
+        if value is not None:
+            given.append((name, Constraint(kind, value)))
+    for name in ("choice", "guided_choice"):
+        value = getattr(req, name, None)
+        if value is not None:
+            if not value or not all(value):
+                raise InvalidParameter(f"'{name}' must be non-empty strings", name)
+            given.append((name, Constraint.choice(value)))
+    for name in ("json_schema", "guided_json"):
+        value = getattr(req, name, None)
+        if value is not None:
+            given.append((name, Constraint("json_schema", _schema_text(value, name))))
+    if len(given) > 1:
+        names = ", ".join(f"'{n}'" for n, _ in given)
+        raise InvalidParameter(f"at most one output constraint: got {names}", given[1][0])
+    return given[0][1] if given else None
+
+
+def _schema_text(value, name: str) -> str:
+    """A JSON Schema given as an object or as JSON text, as canonical JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidParameter(f"'{name}' is not valid JSON: {exc}", name) from None
+    if not isinstance(value, dict):
+        raise InvalidParameter(f"'{name}' must be a JSON Schema object", name)
+    return json.dumps(value)
 
 
 def _check_stream_options(req) -> None:
@@ -158,12 +218,6 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
 
 def chat_params(req: ChatCompletionRequest) -> SamplingParams:
     _check_stream_options(req)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise InvalidParameter(
-            f"response_format {req.response_format.type!r} is not supported yet "
-            "(structured outputs are not implemented)",
-            "response_format",
-        )
     if req.tools and req.tool_choice != "none":
         raise InvalidParameter(
             "tool calling is not supported yet: 'tools' needs 'tool_choice': 'none'", "tool_choice"
@@ -185,9 +239,11 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
 def native_params(sp: NativeSamplingParams | None) -> SamplingParams:
     """SGLang's sampling_params, names unchanged."""
     sp = sp or NativeSamplingParams()
+    with reported_as(NATIVE_NAMES):
+        common = _common(sp)
     return _build(
         NATIVE_NAMES,
-        **_common(sp),
+        **common,
         max_new_tokens=16 if sp.max_new_tokens is None else sp.max_new_tokens,
         min_new_tokens=sp.min_new_tokens,
     )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from mci.config import ModelConfig
 from mci.engine_config import ServerConfig
+from mci.grammar.cache import xgrammar_cache
 from mci.request_front import RequestFront
 from mci.server.engine_client import EngineClient
 from mci.server.metrics import ServerMetrics
@@ -29,7 +30,9 @@ class ServerState:
 
     def __post_init__(self):
         self.metrics = ServerMetrics(lambda: self.client.stats)
-        self.front = RequestFront(self.tokenizer, self.model_config.vocab_size, self.context_length)
+        cfg = self.model_config
+        grammar = xgrammar_cache(self.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
+        self.front = RequestFront(self.tokenizer, cfg.vocab_size, self.context_length, grammar)
 
     @property
     def context_length(self) -> int:
