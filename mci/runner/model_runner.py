@@ -22,8 +22,9 @@ class ModelRunner:
     and samples their next tokens.
 
     Reads each item's request (token ids, slots, sampling state); writes nothing but the KV
-    cache and the requests' generators. `eos_ids` feed the min-tokens rule of the sampler.
-    With a `speculator`, each step also drafts tokens for the next one (see mci/spec/).
+    cache, the requests' generators and, when drafting with MTP, their pending MTP state
+    (`Request.mtp_pending`, see mci/spec/mtp.py). `eos_ids` feed the min-tokens rule of the
+    sampler. With a `speculator`, each step also drafts tokens for the next one (mci/spec/).
     """
 
     def __init__(
