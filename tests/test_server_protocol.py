@@ -122,9 +122,12 @@ def test_logit_bias_forces_and_bans(client):
         ),
         (
             "/v1/chat/completions",
-            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
             "tool_choice",
-            "not supported yet",
+            "not in 'tools'",
         ),
         (
             "/v1/chat/completions",

@@ -361,3 +361,84 @@ def test_jump_forward_is_valid_and_saves_steps(tiny):
             jsonschema.validate(json.loads(out.text), LONG_KEYS)
         results[jump] = steps
     assert results[True] < results[False] / 2, results
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    },
+]
+
+
+def test_served_tool_calls(checkpoint):
+    """tool_choice required and named: the call always parses and validates against the
+    function's parameters, streamed or not (finish_reason tool_calls); none and auto answer."""
+    import openai
+    from server_helpers import LiveServer
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    path = checkpoint()
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    with LiveServer(path, "--served-model-name", "m") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for seed, choice in enumerate(["required", named, "required"]):
+            out = client.chat.completions.create(
+                model="m",
+                messages=msgs,
+                tools=TOOLS,
+                tool_choice=choice,
+                max_tokens=120,
+                seed=seed,
+            ).choices[0]
+            assert out.finish_reason == "tool_calls", out
+            (call,) = out.message.tool_calls
+            assert call.type == "function" and call.id
+            if choice is named:
+                assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        chunks = list(
+            client.chat.completions.create(
+                model="m",
+                messages=msgs,
+                tools=TOOLS,
+                tool_choice=named,
+                max_tokens=120,
+                stream=True,
+                seed=7,
+            )
+        )
+        calls = [
+            tc
+            for c in chunks
+            if c.choices and c.choices[0].delta.tool_calls
+            for tc in c.choices[0].delta.tool_calls
+        ]
+        assert len(calls) == 1 and calls[0].function.name == "get_weather"
+        jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        for choice in ("none", "auto"):
+            out = client.chat.completions.create(
+                model="m", messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=8, seed=1
+            ).choices[0]
+            assert out.finish_reason in ("length", "stop", "tool_calls")
+            assert out.message.content is not None or out.message.tool_calls
+        state = server.wait_idle()
+    assert state["free_slots"] + state["tree_tokens"] == state["num_slots"]

@@ -43,6 +43,7 @@ from mci.server.streaming import (
     streaming_response,
 )
 from mci.server.submission import Submission
+from mci.server.tool_calls import plan_tools
 
 log = logging.getLogger("mci")
 
@@ -243,7 +244,9 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
-        params = protocol.chat_params(body)
+        with protocol.reported_as(protocol.CHAT_NAMES):
+            tools = plan_tools(body.tools, body.tool_choice)
+        params = protocol.chat_params(body, tools)
         ids = protocol.chat_prompt_ids(state.tokenizer, body)
         (ids,) = _prompt_ids(state, [ids], params, protocol.CHAT_NAMES)
         await _check_constraint(state, params, protocol.CHAT_NAMES)
@@ -252,12 +255,18 @@ def build_app(state: ServerState) -> FastAPI:
         sub = Submission(state, rid, [ids], params, body.priority or 0)
         if body.stream:
             ctx = StreamContext(
-                state, sub, rid, [(None, ids)], params, include_usage=_include_usage(body)
+                state,
+                sub,
+                rid,
+                [(None, ids)],
+                params,
+                include_usage=_include_usage(body),
+                tools=tools,
             )
             return streaming_response(stream_chat(ctx), ctx)
         finals = await sub.collect(request)
         outs = _group(finals, sub, 1, params.n)[0]
-        return protocol.chat_response(state.model_name, state.tokenizer, len(ids), outs, rid)
+        return protocol.chat_response(state.model_name, state.tokenizer, len(ids), outs, rid, tools)
 
     @app.post(
         "/generate",

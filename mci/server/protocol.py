@@ -27,6 +27,7 @@ from mci.server.openai_types import (
     GenerateRequest,
     NativeSamplingParams,
 )
+from mci.server.tool_calls import ToolPlan, parse_call
 from mci.tokenizer import TextTokenizer
 
 
@@ -216,20 +217,27 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
     )
 
 
-def chat_params(req: ChatCompletionRequest) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, tools: ToolPlan | None = None) -> SamplingParams:
+    """Sampling for /v1/chat/completions; `tools` (tool_calls.plan_tools) constrains the
+    output to a call under tool_choice required or a named function."""
     _check_stream_options(req)
-    if req.tools and req.tool_choice != "none":
-        raise InvalidParameter(
-            "tool calling is not supported yet: 'tools' needs 'tool_choice': 'none'", "tool_choice"
-        )
     if not req.tools and req.tool_choice not in (None, "none"):
         raise InvalidParameter("'tool_choice' needs 'tools'", "tool_choice")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidParameter("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+    common = _common(req)
+    if tools is not None and tools.constraint is not None:
+        if common["constraint"] is not None:
+            raise InvalidParameter(
+                "tool_choice required or a named function cannot be combined with another "
+                "output constraint",
+                "tool_choice",
+            )
+        common["constraint"] = tools.constraint
     return _build(
         CHAT_NAMES,
-        **_common(req),
+        **common,
         max_new_tokens=16 if max_tokens is None else max_tokens,
         min_new_tokens=req.min_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -286,7 +294,7 @@ def chat_prompt_ids(tokenizer: TextTokenizer, req: ChatCompletionRequest) -> lis
         if m.name is not None:
             message["name"] = m.name
         messages.append(message)
-    # tools reach the template only with tool_choice "none" (chat_params): shown, never called
+    # the template shows the tools whatever tool_choice is (mci.server.tool_calls)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     return tokenizer.encode_chat(messages, tools=tools)
 
@@ -424,19 +432,15 @@ def chat_response(
     prompt_len: int,
     outputs: list[RequestOutput],
     request_id: str | None = None,
+    tools: ToolPlan | None = None,
 ) -> dict:
-    """`chat.completion` body with one choice per sample."""
+    """`chat.completion` body with one choice per sample; an output that is a call of one of
+    `tools` becomes `tool_calls`."""
     choices = []
     for i, out in enumerate(outputs):
         lp = chat_logprobs(tokenizer, out.output_token_ids, out.logprobs) if out.logprobs else None
-        choices.append(
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": lp,
-                "finish_reason": finish_reason(out),
-            }
-        )
+        message, reason = chat_message(out, tools)
+        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
     return {
         "id": request_id or new_id("chatcmpl"),
         "object": "chat.completion",
@@ -445,6 +449,15 @@ def chat_response(
         "choices": choices,
         "usage": usage(prompt_len, sum(len(o.output_token_ids) for o in outputs)),
     }
+
+
+def chat_message(out: RequestOutput, tools: ToolPlan | None) -> tuple[dict, str | None]:
+    """A finished chat output's message and finish_reason ("tool_calls" for a call)."""
+    reason = finish_reason(out)
+    call = parse_call(out.text, tools) if tools is not None and reason == "stop" else None
+    if call is None:
+        return {"role": "assistant", "content": out.text}, reason
+    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
 
 
 def native_response(out: RequestOutput, prompt_len: int) -> dict:

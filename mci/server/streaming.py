@@ -19,6 +19,7 @@ from mci.server import protocol
 from mci.server.errors import error_body
 from mci.server.state import ServerState
 from mci.server.submission import Submission
+from mci.server.tool_calls import ToolPlan
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class StreamContext:
     params: SamplingParams
     echo: bool = False
     include_usage: bool = False
+    tools: ToolPlan | None = None  # chat with callable tools: text held back until the end
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -146,6 +148,7 @@ async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
                 ],
             }
         )
+    held: dict[str, str] = {}  # with tools: a sample's text, until it is known not a call
     async for out in _reportable(sub, usage):
         if out.error:
             yield stream_error(out)
@@ -154,6 +157,16 @@ async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
         if out.new_logprobs:
             lp = protocol.chat_logprobs(ctx.state.tokenizer, out.new_token_ids, out.new_logprobs)
         delta = {"content": out.delta_text} if out.delta_text else {}
+        reason = protocol.finish_reason(out)
+        if ctx.tools is not None:
+            held[out.request_id] = held.get(out.request_id, "") + out.delta_text
+            delta = {}
+            if out.finished:
+                message, reason = protocol.chat_message(out, ctx.tools)
+                if "tool_calls" in message:
+                    delta = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
+                elif held[out.request_id]:
+                    delta = {"content": held[out.request_id]}
         yield sse(
             {
                 **base,
@@ -162,7 +175,7 @@ async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
                         "index": sub.index[out.request_id],
                         "delta": delta,
                         "logprobs": lp,
-                        "finish_reason": protocol.finish_reason(out),
+                        "finish_reason": reason,
                     }
                 ],
             }
