@@ -185,6 +185,11 @@ class ServerConfig:
     drain_timeout: float = _opt(30.0, "seconds to let requests finish after SIGTERM")
     max_request_bytes: int = _opt(4 * 2**20, "largest request body accepted (413 beyond)")
     health_generate_timeout: float = _opt(20.0, "seconds /health_generate waits for a token")
+    reasoning_parser: str | None = _opt(
+        None,
+        "chat: report the text before </think> as reasoning_content (DeepSeek-R1 style)",
+        ["deepseek-r1"],
+    )
 
 
 @dataclass(frozen=True)

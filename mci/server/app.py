@@ -262,11 +262,15 @@ def build_app(state: ServerState) -> FastAPI:
                 params,
                 include_usage=_include_usage(body),
                 tools=tools,
+                reasoning=state.config.reasoning_parser is not None,
             )
             return streaming_response(stream_chat(ctx), ctx)
         finals = await sub.collect(request)
         outs = _group(finals, sub, 1, params.n)[0]
-        return protocol.chat_response(state.model_name, state.tokenizer, len(ids), outs, rid, tools)
+        reasoning = state.config.reasoning_parser is not None
+        return protocol.chat_response(
+            state.model_name, state.tokenizer, len(ids), outs, rid, tools, reasoning
+        )
 
     @app.post(
         "/generate",

@@ -27,6 +27,7 @@ from mci.server.openai_types import (
     GenerateRequest,
     NativeSamplingParams,
 )
+from mci.server.reasoning import split_reasoning
 from mci.server.tool_calls import ToolPlan, parse_call
 from mci.tokenizer import TextTokenizer
 
@@ -433,13 +434,14 @@ def chat_response(
     outputs: list[RequestOutput],
     request_id: str | None = None,
     tools: ToolPlan | None = None,
+    reasoning: bool = False,
 ) -> dict:
     """`chat.completion` body with one choice per sample; an output that is a call of one of
     `tools` becomes `tool_calls`."""
     choices = []
     for i, out in enumerate(outputs):
         lp = chat_logprobs(tokenizer, out.output_token_ids, out.logprobs) if out.logprobs else None
-        message, reason = chat_message(out, tools)
+        message, reason = chat_message(out, tools, reasoning)
         choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
     return {
         "id": request_id or new_id("chatcmpl"),
@@ -451,13 +453,20 @@ def chat_response(
     }
 
 
-def chat_message(out: RequestOutput, tools: ToolPlan | None) -> tuple[dict, str | None]:
-    """A finished chat output's message and finish_reason ("tool_calls" for a call)."""
+def chat_message(
+    out: RequestOutput, tools: ToolPlan | None, reasoning: bool = False
+) -> tuple[dict, str | None]:
+    """A finished chat output's message and finish_reason ("tool_calls" for a call); with
+    `reasoning`, the text before </think> goes to reasoning_content (server/reasoning.py)."""
     reason = finish_reason(out)
-    call = parse_call(out.text, tools) if tools is not None and reason == "stop" else None
+    message: dict = {"role": "assistant", "content": out.text}
+    if reasoning:
+        message["reasoning_content"], message["content"] = split_reasoning(out.text)
+    answer = message["content"] or ""
+    call = parse_call(answer, tools) if tools is not None and reason == "stop" else None
     if call is None:
-        return {"role": "assistant", "content": out.text}, reason
-    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+        return message, reason
+    return {**message, "content": None, "tool_calls": [call]}, "tool_calls"
 
 
 def native_response(out: RequestOutput, prompt_len: int) -> dict:

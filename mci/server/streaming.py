@@ -6,6 +6,7 @@ the stream (done, error, client gone), its unfinished samples are aborted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
 from mci.server import protocol
 from mci.server.errors import error_body
+from mci.server.reasoning import ReasoningStream
 from mci.server.state import ServerState
 from mci.server.submission import Submission
 from mci.server.tool_calls import ToolPlan
@@ -38,6 +40,7 @@ class StreamContext:
     echo: bool = False
     include_usage: bool = False
     tools: ToolPlan | None = None  # chat with callable tools: text held back until the end
+    reasoning: bool = False  # chat: split reasoning_content off (--reasoning-parser)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -149,6 +152,7 @@ async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
             }
         )
     held: dict[str, str] = {}  # with tools: a sample's text, until it is known not a call
+    splitters: dict[str, ReasoningStream] = {}
     async for out in _reportable(sub, usage):
         if out.error:
             yield stream_error(out)
@@ -158,15 +162,24 @@ async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
             lp = protocol.chat_logprobs(ctx.state.tokenizer, out.new_token_ids, out.new_logprobs)
         delta = {"content": out.delta_text} if out.delta_text else {}
         reason = protocol.finish_reason(out)
+        if ctx.reasoning and ctx.tools is None:
+            splitter = splitters.setdefault(out.request_id, ReasoningStream())
+            thought, said = splitter.feed(out.delta_text, out.finished)
+            delta = {"reasoning_content": thought} if thought else {}
+            if said:
+                delta["content"] = said
         if ctx.tools is not None:
             held[out.request_id] = held.get(out.request_id, "") + out.delta_text
             delta = {}
             if out.finished:
-                message, reason = protocol.chat_message(out, ctx.tools)
+                full = dataclasses.replace(out, text=held[out.request_id])
+                message, reason = protocol.chat_message(full, ctx.tools, ctx.reasoning)
                 if "tool_calls" in message:
                     delta = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
-                elif held[out.request_id]:
-                    delta = {"content": held[out.request_id]}
+                elif message["content"]:
+                    delta = {"content": message["content"]}
+                if message.get("reasoning_content"):
+                    delta["reasoning_content"] = message["reasoning_content"]
         yield sse(
             {
                 **base,
