@@ -35,9 +35,6 @@ class EngineCore:
         self.runner = runner
         self.check_integrity_each_step = check_integrity
         self.grammar = grammar  # compiles constraints off this thread (None: no constraints)
-        # a matcher must undo the drafts it accepted while they were being verified
-        speculator = runner.speculator
-        self._grammar_rollback = speculator.config.num_steps if speculator else 0
 
     @property
     def kv(self) -> KVCacheManager:
@@ -62,7 +59,7 @@ class EngineCore:
         if constraint is not None:
             if self.grammar is None:
                 raise RuntimeError("this engine has no grammar backend")
-            req.grammar = self.grammar.state(constraint, self._grammar_rollback)
+            req.grammar = self.grammar.state(constraint)
         return self.scheduler.add_request(req)
 
     def _wait_for_a_grammar(self) -> None:

@@ -44,3 +44,26 @@ def drive(scheduler, arrivals: dict[int, list[Request]], max_steps: int = 10_000
 
 def greedy(max_new_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, **kw)
+
+
+class OracleDrafter:
+    """Drafts the true continuation (from a run without speculation), wrong at every
+    `wrong_every`-th draft token: every accept length 0..k occurs."""
+
+    def __init__(self, truth: dict[str, list[int]], wrong_every: int = 4):
+        self.truth = truth
+        self.wrong_every = wrong_every
+        self.calls = 0
+
+    def propose(self, items, hidden, new_tokens, budgets):
+        drafts = {}
+        for i, n in budgets.items():
+            req = items[i].request
+            done = len(req.output_ids) + len(new_tokens[i])
+            draft = list(self.truth[req.request_id[1:]][done : done + n])
+            for j in range(len(draft)):
+                self.calls += 1
+                if self.calls % self.wrong_every == 0:
+                    draft[j] = (draft[j] + 1) % 1000
+            drafts[i] = draft
+        return drafts

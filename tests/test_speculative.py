@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import drive
+from engine_helpers import OracleDrafter, drive
 
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
@@ -107,29 +107,6 @@ def _assert_same(got: dict, want: dict, exact: bool, name: str = "") -> None:
         for (lp, alts), (lp_want, alts_want) in zip(v[4], want[k][4], strict=True):
             assert lp == pytest.approx(lp_want, abs=1e-4), (name, k)
             assert [t for t, _ in alts] == [t for t, _ in alts_want], (name, k)
-
-
-class OracleDrafter:
-    """Drafts the true continuation (from a run without speculation), wrong at every
-    `wrong_every`-th draft token: every accept length 0..k occurs."""
-
-    def __init__(self, truth: dict[str, list[int]], wrong_every: int = 4):
-        self.truth = truth
-        self.wrong_every = wrong_every
-        self.calls = 0
-
-    def propose(self, items, hidden, new_tokens, budgets):
-        drafts = {}
-        for i, n in budgets.items():
-            req = items[i].request
-            done = len(req.output_ids) + len(new_tokens[i])
-            draft = list(self.truth[req.request_id[1:]][done : done + n])
-            for j in range(len(draft)):
-                self.calls += 1
-                if self.calls % self.wrong_every == 0:
-                    draft[j] = (draft[j] + 1) % 1000
-            drafts[i] = draft
-        return drafts
 
 
 def _run(model, tokenizer, path, tag, spec=None, drafter=None, sampled=False, **kw):

@@ -10,7 +10,7 @@ import re
 
 import jsonschema
 import pytest
-from engine_helpers import drive
+from engine_helpers import OracleDrafter, drive
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -147,26 +147,6 @@ def test_bad_constraints_are_rejected_before_queueing(tiny):
         assert "constraint" in str(err.value) and ".cc:" not in str(err.value)
 
 
-class _Oracle:
-    """Drafts the true continuation with every 3rd draft token wrong."""
-
-    def __init__(self, truth):
-        self.truth, self.calls = truth, 0
-
-    def propose(self, items, hidden, new_tokens, budgets):
-        drafts = {}
-        for i, n in budgets.items():
-            req = items[i].request
-            done = len(req.output_ids) + len(new_tokens[i])
-            draft = list(self.truth[req.request_id[1:]][done : done + n])
-            for j in range(len(draft)):
-                self.calls += 1
-                if self.calls % 3 == 0:
-                    draft[j] = (draft[j] + 7) % 1000
-            drafts[i] = draft
-        return drafts
-
-
 def test_speculation_with_a_grammar_is_identical_and_valid(tiny):
     prompts = [f"spec {i}" for i in range(4)]
     schema = Constraint("json_schema", json.dumps(PERSON))
@@ -176,7 +156,7 @@ def test_speculation_with_a_grammar_is_identical_and_valid(tiny):
     spec = SpeculativeConfig(
         speculative_algorithm="ngram", speculative_num_steps=3, speculative_disable_by_batch_size=64
     )
-    for drafter in (None, _Oracle(truth)):
+    for drafter in (None, OracleDrafter(truth, wrong_every=3)):
         core = _core(tiny, spec)
         if drafter is not None:
             r = core.runner

@@ -41,8 +41,9 @@ class GrammarBackend(Protocol):
         """The compiled form (cached by the caller); raises InvalidParameter when the
         constraint is malformed or unsupported."""
 
-    def matcher(self, compiled: object, max_rollback: int) -> Matcher:
-        """A fresh matcher at the start of the grammar."""
+    def matcher(self, compiled: object) -> Matcher:
+        """A fresh matcher at the start of the grammar; it can roll back at least as many
+        tokens as a request drafts in one step (--speculative-num-steps, at most 16)."""
 
     def new_bitmask(self, rows: int) -> torch.Tensor:
         """An empty mask for `rows` rows."""

@@ -57,8 +57,8 @@ class GrammarCache:
         """Compile (or reuse) and wait; raises the backend's InvalidParameter."""
         return self.submit(constraint).result()
 
-    def state(self, constraint: Constraint, max_rollback: int) -> GrammarState:
-        return GrammarState(self, self.submit(constraint), max_rollback)
+    def state(self, constraint: Constraint) -> GrammarState:
+        return GrammarState(self, self.submit(constraint))
 
 
 def xgrammar_cache(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> GrammarCache:
@@ -76,10 +76,9 @@ def xgrammar_cache(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> Gra
 class GrammarState:
     """One request's progress through its grammar. The matcher exists once compiled."""
 
-    def __init__(self, cache: GrammarCache, compiled: Future, max_rollback: int):
+    def __init__(self, cache: GrammarCache, compiled: Future):
         self._cache = cache
         self._compiled = compiled
-        self._max_rollback = max_rollback
         self.matcher: Matcher | None = None
 
     def ready(self) -> bool:
@@ -87,7 +86,7 @@ class GrammarState:
         error if compiling failed."""
         if self.matcher is None and self._compiled.done():
             compiled = self._compiled.result()
-            self.matcher = self.backend.matcher(compiled, self._max_rollback)
+            self.matcher = self.backend.matcher(compiled)
         return self.matcher is not None
 
     def wait(self, timeout_s: float) -> None:

@@ -99,7 +99,7 @@ class XGrammarBackend:
                 f"invalid {kind.replace('_', ' ')} constraint: {message}", PARAM_OF_KIND[kind]
             ) from None
 
-    def matcher(self, compiled: xg.CompiledGrammar, max_rollback: int) -> XGrammarMatcher:
+    def matcher(self, compiled: xg.CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(xg.GrammarMatcher(compiled))  # rollback is unbounded in 0.2
 
     def new_bitmask(self, rows: int) -> torch.Tensor:
