@@ -11,6 +11,7 @@ import xgrammar as xg
 
 from mci.errors import InvalidParameter
 from mci.grammar.constraint import Constraint
+from mci.grammar.utf8_classes import exclude_surrogates
 from mci.tokenizer import TextTokenizer
 
 BOUNDED_CHAR = r"[^\"\\\r\n]"  # as xgrammar prints it
@@ -23,6 +24,27 @@ PARAM_OF_KIND = {
     "ebnf": "ebnf",
     "choice": "choice",
 }
+
+
+def _grammar_text(constraint: Constraint) -> str:
+    """The constraint as an xgrammar EBNF grammar, printed so its classes can be rewritten."""
+    kind, spec = constraint.kind, constraint.spec
+    if kind == "json":
+        return str(xg.Grammar.builtin_json_grammar())
+    if kind == "json_schema":
+        grammar = str(xg.Grammar.from_json_schema(spec, any_whitespace=False))
+        # xgrammar 0.2.9 writes length-bounded strings (maxLength, minLength) as repeats of
+        # [^"\\\r\n], which admits raw control characters: not JSON. Exclude them as its
+        # unbounded string rule does (escapes stay out: valid).
+        return grammar.replace(BOUNDED_CHAR, BOUNDED_CHAR_JSON)
+    if kind == "regex":
+        return str(xg.Grammar.from_regex(spec))
+    if kind == "ebnf":
+        return str(xg.Grammar.from_ebnf(spec))
+    options = constraint.options
+    if not options or not all(isinstance(o, str) and o for o in options):
+        raise ValueError("choice must be a non-empty list of non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(o) for o in options)  # EBNF string literals
 
 
 class XGrammarMatcher:
@@ -72,26 +94,9 @@ class XGrammarBackend:
         self._compiler = xg.GrammarCompiler(info, max_threads=1)
 
     def compile(self, constraint: Constraint) -> xg.CompiledGrammar:
-        kind, spec = constraint.kind, constraint.spec
+        kind = constraint.kind
         try:
-            if kind == "json":
-                return self._compiler.compile_builtin_json_grammar()
-            if kind == "json_schema":
-                grammar = str(xg.Grammar.from_json_schema(spec, any_whitespace=False))
-                # xgrammar 0.2.9 writes length-bounded strings (maxLength, minLength) as
-                # repeats of [^"\\\r\n], which admits raw control characters: not JSON.
-                # Exclude them as its unbounded string rule does (escapes stay out: valid).
-                grammar = grammar.replace(BOUNDED_CHAR, BOUNDED_CHAR_JSON)
-                return self._compiler.compile_grammar(grammar)
-            if kind == "regex":
-                return self._compiler.compile_regex(spec)
-            if kind == "ebnf":
-                return self._compiler.compile_grammar(spec)
-            options = constraint.options
-            if not options or not all(isinstance(o, str) and o for o in options):
-                raise ValueError("choice must be a non-empty list of non-empty strings")
-            alternatives = " | ".join(json.dumps(o) for o in options)  # EBNF string literals
-            return self._compiler.compile_grammar(f"root ::= {alternatives}")
+            return self._compiler.compile_grammar(exclude_surrogates(_grammar_text(constraint)))
         except (RuntimeError, ValueError, TypeError) as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", message)  # "[time] file:line:"
