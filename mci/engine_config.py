@@ -190,6 +190,12 @@ class ServerConfig:
         "chat: report the text before </think> as reasoning_content (DeepSeek-R1 style)",
         ["deepseek-r1"],
     )
+    tool_call_parser: str | None = _opt(
+        None,
+        "chat: the format tool calls are written in (default: deepseekv3 when the tokenizer "
+        "has its markup tokens, else a JSON envelope)",
+        ["deepseekv3", "json"],
+    )
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ class EngineCore:
         if constraint is not None:
             if self.grammar is None:
                 raise RuntimeError("this engine has no grammar backend")
-            req.grammar = self.grammar.state(constraint)
+            req.grammar = self.grammar.state(constraint, req.params.constraint_start_token_id)
         return self.scheduler.add_request(req)
 
     def _wait_for_a_grammar(self) -> None:

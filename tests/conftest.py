@@ -28,7 +28,8 @@ def reference_config():
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
-    """checkpoint(size="tiny", seed=0, dtype="float32", fp8=False, ..., **config_overrides) -> dir.
+    """checkpoint(size="tiny", seed=0, dtype="float32", fp8=False, ..., markup=False,
+    **config_overrides) -> dir (markup: DeepSeek-V3's tool/think tokens and tool template).
 
     Identical requests within a test session share one directory.
     """
@@ -43,6 +44,7 @@ def checkpoint(tmp_path_factory):
         shard_max_bytes=None,
         config_dialect="4",
         bias_std=0.05,
+        markup=False,
         **overrides,
     ):
         cfg = preset_config(size, **overrides)
@@ -56,6 +58,7 @@ def checkpoint(tmp_path_factory):
                 shard_max_bytes,
                 config_dialect,
                 bias_std,
+                markup,
             ],
             sort_keys=True,
             default=str,
@@ -74,6 +77,7 @@ def checkpoint(tmp_path_factory):
                 config_dialect=config_dialect,
                 bias_std=bias_std,
                 tokenizer_corpus_bytes=300_000,
+                markup=markup,
             )
         return cache[key]
 

@@ -43,6 +43,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     speculative: bool = True  # False: never draft for this request (speculation opt-out)
     constraint: Constraint | None = None  # what the output must match (structured output)
+    # the constraint applies after this token is generated (a reasoning model's `</think>`)
+    constraint_start_token_id: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -91,6 +93,11 @@ class SamplingParams:
                 "values must be in [-100, 100]",
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (
+                self.constraint_start_token_id is None or self.constraint is not None,
+                "constraint_start_token_id",
+                "needs a constraint",
+            ),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -102,6 +109,11 @@ class SamplingParams:
         if any(t >= vocab_size for t in self.stop_token_ids):
             raise InvalidParameter.named(
                 "stop_token_ids", f"{{param}} must be in [0, {vocab_size})"
+            )
+        start = self.constraint_start_token_id
+        if start is not None and not 0 <= start < vocab_size:
+            raise InvalidParameter.named(
+                "constraint_start_token_id", f"{{param}} must be in [0, {vocab_size})"
             )
         if any(t >= vocab_size for t, _ in self.logit_bias):
             raise InvalidParameter.named(

@@ -17,8 +17,9 @@ from mci.grammar.constraint import Constraint
 
 
 class Matcher(Protocol):
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into row `row` of a `new_bitmask` tensor."""
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the tokens allowed next into row `row` of a `new_bitmask` tensor; False when
+        every token is allowed (the row needs no masking)."""
 
     def accept(self, token: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar forbids it."""

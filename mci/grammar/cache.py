@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from mci.grammar.backend import GrammarBackend, Matcher
 from mci.grammar.constraint import Constraint
+from mci.grammar.deferred import DeferredMatcher
 
 CACHE_ENTRIES = 256  # distinct constraints kept compiled (least recently used dropped)
 
@@ -57,8 +58,9 @@ class GrammarCache:
         """Compile (or reuse) and wait; raises the backend's InvalidParameter."""
         return self.submit(constraint).result()
 
-    def state(self, constraint: Constraint) -> GrammarState:
-        return GrammarState(self, self.submit(constraint))
+    def state(self, constraint: Constraint, start_token: int | None = None) -> GrammarState:
+        """A request's state; with `start_token`, the grammar applies after that token."""
+        return GrammarState(self, self.submit(constraint), start_token)
 
 
 def xgrammar_cache(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> GrammarCache:
@@ -76,17 +78,20 @@ def xgrammar_cache(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> Gra
 class GrammarState:
     """One request's progress through its grammar. The matcher exists once compiled."""
 
-    def __init__(self, cache: GrammarCache, compiled: Future):
+    def __init__(self, cache: GrammarCache, compiled: Future, start_token: int | None = None):
         self._cache = cache
         self._compiled = compiled
+        self._start_token = start_token
         self.matcher: Matcher | None = None
 
     def ready(self) -> bool:
         """Whether the grammar is compiled (then the matcher exists); raises the compile
         error if compiling failed."""
         if self.matcher is None and self._compiled.done():
-            compiled = self._compiled.result()
-            self.matcher = self.backend.matcher(compiled)
+            matcher = self.backend.matcher(self._compiled.result())
+            if self._start_token is not None:
+                matcher = DeferredMatcher(matcher, self._start_token)
+            self.matcher = matcher
         return self.matcher is not None
 
     def wait(self, timeout_s: float) -> None:

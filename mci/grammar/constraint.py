@@ -1,20 +1,22 @@
-"""What a request's output must match: a JSON Schema, any JSON, a regex, an EBNF grammar or one of
-a list of strings. Plain, frozen and hashable: it travels with SamplingParams (through the
-engine pipe) and keys the compile cache."""
+"""What a request's output must match: a JSON Schema, any JSON, a regex, an EBNF grammar, one of
+a list of strings, or JSON framed by fixed text (a tool call in a model's native markup). Plain,
+frozen and hashable: it travels with SamplingParams (through the engine pipe) and keys the compile
+cache."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-KINDS = ("json", "json_schema", "regex", "ebnf", "choice")
+KINDS = ("json", "json_schema", "regex", "ebnf", "choice", "tagged_json")
 
 
 @dataclass(frozen=True)
 class Constraint:
     """`kind` one of KINDS; `spec`: the schema as JSON text (json_schema), the regex, the EBNF
-    grammar (root rule `root`), the choices as a JSON list of strings, or "" (json: any JSON
-    object)."""
+    grammar (root rule `root`), the choices as a JSON list of strings, "" (json: any JSON
+    object), or for tagged_json a JSON list of [begin, schema, end] alternatives: the output is
+    one alternative's begin text, a JSON value its schema accepts, and its end text."""
 
     kind: str
     spec: str = ""
@@ -27,6 +29,11 @@ class Constraint:
     def choice(cls, options: list[str]) -> Constraint:
         return cls("choice", json.dumps(list(options)))
 
+    @classmethod
+    def tagged_json(cls, alternatives: list[tuple[str, dict, str]]) -> Constraint:
+        return cls("tagged_json", json.dumps([list(a) for a in alternatives]))
+
     @property
-    def options(self) -> list[str]:
+    def options(self) -> list:
+        """choice: the strings; tagged_json: the [begin, schema, end] alternatives."""
         return json.loads(self.spec)

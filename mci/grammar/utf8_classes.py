@@ -71,7 +71,12 @@ def _class_ranges(body: str) -> list[tuple[int, int]]:
     k = 0
     while k < len(items):
         lo = items[k]
-        if lo is not None and k + 2 < len(items) and items[k + 1] is None and items[k + 2] is not None:
+        if (
+            lo is not None
+            and k + 2 < len(items)
+            and items[k + 1] is None
+            and items[k + 2] is not None
+        ):
             ranges.append((lo, items[k + 2]))
             k += 3
         else:  # a lone '-' at either end is the character itself

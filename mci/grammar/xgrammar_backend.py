@@ -23,6 +23,7 @@ PARAM_OF_KIND = {
     "regex": "regex",
     "ebnf": "ebnf",
     "choice": "choice",
+    "tagged_json": "tools",
 }
 
 
@@ -32,11 +33,19 @@ def _grammar_text(constraint: Constraint) -> str:
     if kind == "json":
         return str(xg.Grammar.builtin_json_grammar())
     if kind == "json_schema":
-        grammar = str(xg.Grammar.from_json_schema(spec, any_whitespace=False))
-        # xgrammar 0.2.9 writes length-bounded strings (maxLength, minLength) as repeats of
-        # [^"\\\r\n], which admits raw control characters: not JSON. Exclude them as its
-        # unbounded string rule does (escapes stay out: valid).
-        return grammar.replace(BOUNDED_CHAR, BOUNDED_CHAR_JSON)
+        return _json_schema_text(spec)
+    if kind == "tagged_json":
+        framed = [
+            xg.Grammar.concat(
+                _literal(begin),
+                xg.Grammar.from_ebnf(_json_schema_text(json.dumps(schema))),
+                _literal(end),
+            )
+            for begin, schema, end in constraint.options
+        ]
+        if not framed:
+            raise ValueError("tagged_json needs at least one alternative")
+        return str(framed[0] if len(framed) == 1 else xg.Grammar.union(*framed))
     if kind == "regex":
         return str(xg.Grammar.from_regex(spec))
     if kind == "ebnf":
@@ -44,15 +53,27 @@ def _grammar_text(constraint: Constraint) -> str:
     options = constraint.options
     if not options or not all(isinstance(o, str) and o for o in options):
         raise ValueError("choice must be a non-empty list of non-empty strings")
-    return "root ::= " + " | ".join(json.dumps(o) for o in options)  # EBNF string literals
+    return "root ::= " + " | ".join(json.dumps(o) for o in options)
+
+
+def _json_schema_text(schema: str) -> str:
+    grammar = str(xg.Grammar.from_json_schema(schema, any_whitespace=False))
+    # xgrammar 0.2.9 writes length-bounded strings (maxLength, minLength) as repeats of
+    # [^"\\\r\n], which admits raw control characters: not JSON. Exclude them as its unbounded
+    # string rule does (escapes stay out: valid).
+    return grammar.replace(BOUNDED_CHAR, BOUNDED_CHAR_JSON)
+
+
+def _literal(text: str) -> xg.Grammar:
+    return xg.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")  # JSON string = EBNF literal
 
 
 class XGrammarMatcher:
     def __init__(self, matcher: xg.GrammarMatcher):
         self._m = matcher
 
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._m.fill_next_token_bitmask(bitmask, row)
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> bool:
+        return self._m.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> bool:
         return self._m.accept_token(token)
@@ -80,6 +101,12 @@ class XGrammarBackend:
         for token, idx in backend.get_vocab(with_added_tokens=True).items():
             if idx < vocab_size:
                 vocab[idx] = token
+        # A special token vanishes from the decoded text (skip_special_tokens), so the text
+        # would not be what the grammar matched: give it no text, which xgrammar never allows.
+        # Stop tokens are allowed where the grammar may end, by id.
+        for idx, added in backend.get_added_tokens_decoder().items():
+            if added.special and idx < vocab_size:
+                vocab[idx] = ""
         # vocab type (byte-level BPE, SentencePiece byte fallback, raw) and prefix-space rule,
         # read from tokenizer.json as xgrammar's own from_huggingface does
         meta = xg.TokenizerInfo._detect_metadata_from_hf(backend.to_str())

@@ -121,8 +121,7 @@ def _apply_grammars(logits: torch.Tensor, rows: list[SampleRow]) -> None:
                 valid = matcher.accept(assumed[accepted])
                 accepted += valid
             # past a draft that ended the grammar (its stop token) the request is over too
-            if valid and not matcher.is_terminated():
-                matcher.fill_mask(bitmask, row)
+            if valid and not matcher.is_terminated() and matcher.fill_mask(bitmask, row):
                 masked.append(row)
             i += 1
         matcher.rollback(accepted)

@@ -245,8 +245,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
         with protocol.reported_as(protocol.CHAT_NAMES):
-            tools = plan_tools(body.tools, body.tool_choice)
-        params = protocol.chat_params(body, tools)
+            tools = plan_tools(body.tools, body.tool_choice, state.tool_format)
+        reasoning = state.config.reasoning_parser is not None
+        params = protocol.chat_params(body, tools, reasoning, state.think_end_id)
         ids = protocol.chat_prompt_ids(state.tokenizer, body)
         (ids,) = _prompt_ids(state, [ids], params, protocol.CHAT_NAMES)
         await _check_constraint(state, params, protocol.CHAT_NAMES)
@@ -262,12 +263,11 @@ def build_app(state: ServerState) -> FastAPI:
                 params,
                 include_usage=_include_usage(body),
                 tools=tools,
-                reasoning=state.config.reasoning_parser is not None,
+                reasoning=reasoning,
             )
             return streaming_response(stream_chat(ctx), ctx)
         finals = await sub.collect(request)
         outs = _group(finals, sub, 1, params.n)[0]
-        reasoning = state.config.reasoning_parser is not None
         return protocol.chat_response(
             state.model_name, state.tokenizer, len(ids), outs, rid, tools, reasoning
         )

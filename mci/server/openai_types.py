@@ -106,10 +106,23 @@ class TextPart(_Strict):
     text: Text
 
 
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text  # JSON text of an object, as the API returned it
+
+
+class ToolCall(_Strict):
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant: calls it made")
+    tool_call_id: Text | None = Field(None, description="tool: the call this result answers")
 
 
 class FunctionDefinition(_Strict):

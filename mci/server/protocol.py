@@ -28,7 +28,7 @@ from mci.server.openai_types import (
     NativeSamplingParams,
 )
 from mci.server.reasoning import split_reasoning
-from mci.server.tool_calls import ToolPlan, parse_call
+from mci.server.tool_calls import ToolPlan, parse_calls
 from mci.tokenizer import TextTokenizer
 
 
@@ -218,9 +218,16 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
     )
 
 
-def chat_params(req: ChatCompletionRequest, tools: ToolPlan | None = None) -> SamplingParams:
+def chat_params(
+    req: ChatCompletionRequest,
+    tools: ToolPlan | None = None,
+    reasoning: bool = False,
+    think_end_id: int | None = None,
+) -> SamplingParams:
     """Sampling for /v1/chat/completions; `tools` (tool_calls.plan_tools) constrains the
-    output to a call under tool_choice required or a named function."""
+    output to a call under tool_choice required or a named function. With `reasoning`
+    (--reasoning-parser), a constraint applies to the answer: after the `</think>` token,
+    `think_end_id`."""
     _check_stream_options(req)
     if not req.tools and req.tool_choice not in (None, "none"):
         raise InvalidParameter("'tool_choice' needs 'tools'", "tool_choice")
@@ -236,6 +243,14 @@ def chat_params(req: ChatCompletionRequest, tools: ToolPlan | None = None) -> Sa
                 "tool_choice",
             )
         common["constraint"] = tools.constraint
+    if reasoning and common["constraint"] is not None:
+        if think_end_id is None:
+            raise InvalidParameter(
+                "structured output with --reasoning-parser needs a tokenizer whose </think> "
+                "is one token (the answer's constraint starts after it)",
+                "tool_choice" if tools is not None and tools.constraint else "response_format",
+            )
+        common["constraint_start_token_id"] = think_end_id
     return _build(
         CHAT_NAMES,
         **common,
@@ -285,6 +300,16 @@ def chat_prompt_ids(tokenizer: TextTokenizer, req: ChatCompletionRequest) -> lis
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
+        if m.tool_calls is not None and m.role != "assistant":
+            raise InvalidParameter(
+                f"messages[{i}].tool_calls is only for role 'assistant'",
+                f"messages[{i}].tool_calls",
+            )
+        if (m.tool_call_id is None) == (m.role == "tool"):
+            raise InvalidParameter(
+                f"messages[{i}].tool_call_id is required for role 'tool', and only for it",
+                f"messages[{i}].tool_call_id",
+            )
         if content is None and m.role != "assistant":
             raise InvalidParameter(
                 f"messages[{i}].content is required for role {m.role!r}", f"messages[{i}].content"
@@ -294,6 +319,10 @@ def chat_prompt_ids(tokenizer: TextTokenizer, req: ChatCompletionRequest) -> lis
         message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls is not None:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         messages.append(message)
     # the template shows the tools whatever tool_choice is (mci.server.tool_calls)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -462,11 +491,12 @@ def chat_message(
     message: dict = {"role": "assistant", "content": out.text}
     if reasoning:
         message["reasoning_content"], message["content"] = split_reasoning(out.text)
-    answer = message["content"] or ""
-    call = parse_call(answer, tools) if tools is not None and reason == "stop" else None
-    if call is None:
+    if tools is None or reason != "stop":
         return message, reason
-    return {**message, "content": None, "tool_calls": [call]}, "tool_calls"
+    content, calls = parse_calls(message["content"] or "", tools)
+    if not calls:
+        return message, reason
+    return {**message, "content": content, "tool_calls": calls}, "tool_calls"
 
 
 def native_response(out: RequestOutput, prompt_len: int) -> dict:

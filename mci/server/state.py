@@ -11,6 +11,8 @@ from mci.grammar.cache import xgrammar_cache
 from mci.request_front import RequestFront
 from mci.server.engine_client import EngineClient
 from mci.server.metrics import ServerMetrics
+from mci.server.reasoning import END as THINK_END
+from mci.server.tool_formats import DeepSeekV3Markup, JsonEnvelope, tool_format_for
 from mci.tokenizer import TextTokenizer
 
 
@@ -26,6 +28,8 @@ class ServerState:
     max_running: int
     metrics: ServerMetrics = field(init=False)
     front: RequestFront = field(init=False)
+    tool_format: JsonEnvelope | DeepSeekV3Markup = field(init=False)
+    think_end_id: int | None = field(init=False)  # `</think>`, if an added (whole) token
     draining: bool = False
 
     def __post_init__(self):
@@ -33,6 +37,10 @@ class ServerState:
         cfg = self.model_config
         grammar = xgrammar_cache(self.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
         self.front = RequestFront(self.tokenizer, cfg.vocab_size, self.context_length, grammar)
+        vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+        self.tool_format = tool_format_for(vocab, self.config.tool_call_parser)
+        added = self.tokenizer.backend.get_added_tokens_decoder().items()
+        self.think_end_id = next((i for i, t in added if t.content == THINK_END), None)
 
     @property
     def context_length(self) -> int:

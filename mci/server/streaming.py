@@ -174,10 +174,12 @@ async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
             if out.finished:
                 full = dataclasses.replace(out, text=held[out.request_id])
                 message, reason = protocol.chat_message(full, ctx.tools, ctx.reasoning)
-                if "tool_calls" in message:
-                    delta = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
-                elif message["content"]:
+                if message["content"]:
                     delta = {"content": message["content"]}
+                if "tool_calls" in message:
+                    delta["tool_calls"] = [
+                        {"index": i, **call} for i, call in enumerate(message["tool_calls"])
+                    ]
                 if message.get("reasoning_content"):
                     delta["reasoning_content"] = message["reasoning_content"]
         yield sse(

@@ -22,14 +22,93 @@ USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
 SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT]
 
 # DeepSeek-V3's template, reduced to system/user/assistant turns.
+# DeepSeek-V3's markup tokens for tool calls and (R1) reasoning; non-special, as DeepSeek's own
+# tokenizer has them, so they stay in decoded text where the parsers find them.
+TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP = (
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+)
+TOOL_OUTPUTS_BEGIN, TOOL_OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
+TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+THINK_START, THINK_END = "<think>", "</think>"
+DEEPSEEK_MARKUP_TOKENS = [
+    TOOL_CALLS_BEGIN,
+    TOOL_CALLS_END,
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    TOOL_SEP,
+    TOOL_OUTPUTS_BEGIN,
+    TOOL_OUTPUTS_END,
+    TOOL_OUTPUT_BEGIN,
+    TOOL_OUTPUT_END,
+    THINK_START,
+    THINK_END,
+]
+
+# The bundled model's template. It has no tool markup tokens, so tools are listed as JSON and a
+# call is the JSON envelope mci's `json` tool format reads (mci/server/tool_formats.py); a tool's
+# result comes back as a user turn.
+_ENVELOPE_CALLS = (
+    "{% for call in message['tool_calls'] %}"
+    "{{ '{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' "
+    "+ call['function']['arguments'] + '}' }}"
+    "{% endfor %}"
+)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ 'Tools: ' + (tools | tojson) + '\\nTo call a tool, reply with only "
+    '{"name": <tool name>, "arguments": <its arguments>}.\\n\\n\' }}'
+    "{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] }}"
     "{% elif message['role'] == 'user' %}" + USER + "{{ message['content'] }}"
+    "{% elif message['role'] == 'tool' %}" + USER + "{{ 'Tool result: ' + message['content'] }}"
     "{% elif message['role'] == 'assistant' %}"
     + ASSISTANT
     + "{{ message['content'] }}"
+    + "{% if message['tool_calls'] %}"
+    + _ENVELOPE_CALLS
+    + "{% endif %}"
+    + EOS
+    + "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
+)
+
+# A DeepSeek-V3-style template with its native tool markup (for checkpoints with
+# DEEPSEEK_MARKUP_TOKENS): calls as DeepSeek-V3 writes them, results in its tool-output tokens.
+DEEPSEEK_V3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '## Tools\\nYou may call these functions:\\n' + (tools | tojson) + '\\n\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}" + USER + "{{ message['content'] }}"
+    "{% elif message['role'] == 'tool' %}"
+    + TOOL_OUTPUTS_BEGIN
+    + TOOL_OUTPUT_BEGIN
+    + "{{ message['content'] }}"
+    + TOOL_OUTPUT_END
+    + TOOL_OUTPUTS_END
+    + "{% elif message['role'] == 'assistant' %}"
+    + ASSISTANT
+    + "{{ message['content'] }}"
+    + "{% if message['tool_calls'] %}"
+    + TOOL_CALLS_BEGIN
+    + "{% for call in message['tool_calls'] %}"
+    + TOOL_CALL_BEGIN
+    + "{{ call['type'] }}"
+    + TOOL_SEP
+    + "{{ call['function']['name'] + '\\n```json\\n' + call['function']['arguments'] + "
+    "'\\n```' }}"
+    + TOOL_CALL_END
+    + "{% endfor %}"
+    + TOOL_CALLS_END
+    + "{% endif %}"
     + EOS
     + "{% endif %}"
     "{% endfor %}"
@@ -54,14 +133,15 @@ def stdlib_corpus(max_bytes: int) -> Iterator[str]:
             return
 
 
-def train_bpe(vocab_size: int, texts: Iterator[str]) -> Tokenizer:
-    """Train a byte-level BPE of exactly `vocab_size` entries (special tokens included)."""
+def train_bpe(vocab_size: int, texts: Iterator[str], markup: bool = False) -> Tokenizer:
+    """Train a byte-level BPE of exactly `vocab_size` entries (special tokens included); with
+    `markup`, DeepSeek-V3's tool and think tokens follow the four special tokens."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + (DEEPSEEK_MARKUP_TOKENS if markup else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -79,13 +159,19 @@ def bos_post_processor(tok: Tokenizer) -> processors.TemplateProcessing:
 
 
 def write_tokenizer(out_dir: Path, tok: Tokenizer, max_length: int) -> None:
-    """Write tokenizer.json (BOS-adding post-processor) and tokenizer_config.json (chat template).
+    """Write tokenizer.json (BOS-adding post-processor) and tokenizer_config.json (chat template:
+    DeepSeek-V3's markup when the tokenizer has its tokens).
 
     The caller's tokenizer is left as it was: training encodes with it and places BOS itself.
     """
     written = Tokenizer.from_str(tok.to_str())
     written.post_processor = bos_post_processor(written)
-    written.save(str(out_dir / "tokenizer.json"))
+    data = json.loads(written.to_str())
+    for added in data["added_tokens"]:
+        if added["content"] in DEEPSEEK_MARKUP_TOKENS:
+            added["special"] = False
+    (out_dir / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    markup = tok.token_to_id(TOOL_CALLS_BEGIN) is not None
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -95,6 +181,6 @@ def write_tokenizer(out_dir: Path, tok: Tokenizer, max_length: int) -> None:
         "add_bos_token": True,
         "add_eos_token": False,
         "model_max_length": max_length,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": DEEPSEEK_V3_TEMPLATE if markup else CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))

@@ -122,9 +122,11 @@ def make_checkpoint(
     config_dialect: str = "4",
     bias_std: float = 0.05,
     tokenizer_corpus_bytes: int = 2_000_000,
+    markup: bool = False,
 ) -> Path:
-    """Write a seeded random checkpoint with a tokenizer trained on the stdlib."""
-    tok = train_bpe(cfg.vocab_size, stdlib_corpus(tokenizer_corpus_bytes))
+    """Write a seeded random checkpoint with a tokenizer trained on the stdlib (with DeepSeek-V3's
+    tool and think tokens and its tool-call template when `markup`)."""
+    tok = train_bpe(cfg.vocab_size, stdlib_corpus(tokenizer_corpus_bytes), markup)
     weights = random_weights(cfg, seed, bias_std)
     return write_checkpoint(
         out_dir, cfg, weights, tok, dtype, fp8, include_mtp, shard_max_bytes, config_dialect
