@@ -56,6 +56,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from mci.core.sampling_params import SamplingParams
     from mci.errors import InvalidParameter
     from mci.generate import generate
+    from mci.grammar.cache import xgrammar_cache
+    from mci.grammar.healing import LeadingMatcher
     from mci.models.loader import load_model
     from mci.request_front import RequestFront
     from mci.tokenizer import TextTokenizer
@@ -68,11 +70,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tokenizer.encode(args.prompt)
-    front = RequestFront(tokenizer, model.cfg.vocab_size, model.cfg.max_position_embeddings)
+    grammar = xgrammar_cache(tokenizer, model.cfg.vocab_size, tuple(model.cfg.eos_token_ids))
+    front = RequestFront(
+        tokenizer, model.cfg.vocab_size, model.cfg.max_position_embeddings, grammar
+    )
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
     try:
-        front.check(prompt_ids, SamplingParams(max_new_tokens=args.max_new_tokens))
+        if args.token_healing:
+            prompt_ids, params = front.heal(prompt_ids, params)
+        front.check(prompt_ids, params)
     except InvalidParameter as exc:
         raise exc.renamed({"max_new_tokens": "--max-new-tokens"}) from None
+    state = None
+    if params.constraint is not None:
+        state = grammar.state(params.constraint, LeadingMatcher)
+        grammar.compile_now(params.constraint)
+        state.ready()
     stops = () if args.ignore_eos else tuple(model.cfg.eos_token_ids)
     result = generate(
         model,
@@ -83,8 +96,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         args.top_p,
         args.top_k,
         stops,
+        grammar=state,
     )
-    print(args.prompt + tokenizer.decode(result.token_ids), flush=True)
+    text = tokenizer.decode(result.token_ids).removeprefix(params.healed_text)
+    print(args.prompt + text, flush=True)
     print(
         f"[mci] load {load_s:.2f}s | prefill {result.num_prompt_tokens} tokens "
         f"{result.prefill_tokens_per_s:.1f} tok/s | decode {len(result.token_ids)} tokens "
@@ -173,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument(
+        "--token-healing",
+        action="store_true",
+        help="back off the prompt's last token(s) and let the model regenerate them",
+    )
     g.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("plan", help="memory plan: weights, KV cache and fit on given GPUs")

@@ -20,12 +20,22 @@ REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Feeds output token ids, returns newly completed text."""
 
-    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer: TextTokenizer, skip_special_tokens: bool = True, hidden_prefix: int = 0
+    ):
+        """`hidden_prefix`: characters at the start of the text that are not reported (token
+        healing's backed-off prompt text, which the output is constrained to start with)."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._hidden = hidden_prefix
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
+
+    def _reported(self, text: str) -> str:
+        hidden = min(self._hidden, len(text))
+        self._hidden -= hidden
+        return text[hidden:]
 
     def step(self, new_ids: list[int]) -> str:
         """Append tokens; return the text they complete (may be empty)."""
@@ -35,7 +45,7 @@ class IncrementalDetokenizer:
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
-            return full[len(prefix) :]
+            return self._reported(full[len(prefix) :])
         return ""
 
     def flush(self) -> str:
@@ -43,4 +53,4 @@ class IncrementalDetokenizer:
         prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
         full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
         self._prefix_offset = self._read_offset = len(self._ids)
-        return full[len(prefix) :]
+        return self._reported(full[len(prefix) :])

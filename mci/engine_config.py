@@ -190,6 +190,11 @@ class ServerConfig:
         "chat: report the text before </think> as reasoning_content (DeepSeek-R1 style)",
         ["deepseek-r1"],
     )
+    token_healing: bool = _opt(
+        False,
+        "completions and /generate: back off a prompt's last token(s) and let the model "
+        "regenerate them (requests override with token_healing)",
+    )
     tool_call_parser: str | None = _opt(
         None,
         "chat: the format tool calls are written in (default: deepseekv3 when the tokenizer "

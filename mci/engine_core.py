@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 
 from mci.cache.kv_manager import KVCacheManager
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request
+from mci.core.sampling_params import SamplingParams
+from mci.grammar.backend import Matcher
 from mci.grammar.cache import GrammarCache
+from mci.grammar.deferred import DeferredMatcher
+from mci.grammar.healing import LeadingMatcher
 from mci.runner.model_runner import ModelRunner
 from mci.scheduler.scheduler import Scheduler
 
@@ -59,7 +65,7 @@ class EngineCore:
         if constraint is not None:
             if self.grammar is None:
                 raise RuntimeError("this engine has no grammar backend")
-            req.grammar = self.grammar.state(constraint, req.params.constraint_start_token_id)
+            req.grammar = self.grammar.state(constraint, _matcher_window(req.params))
         return self.scheduler.add_request(req)
 
     def _wait_for_a_grammar(self) -> None:
@@ -132,3 +138,13 @@ class EngineCore:
             state["integrity_ok"] = False
             state["integrity_error"] = str(exc)
         return state
+
+
+def _matcher_window(params: SamplingParams) -> Callable[[Matcher], Matcher] | None:
+    """Where in the output a request's grammar applies: after `</think>` (reasoning), only at
+    the start (token healing), or everywhere (None)."""
+    if params.constraint_start_token_id is not None:
+        return partial(DeferredMatcher, start_token=params.constraint_start_token_id)
+    if params.healed_text:
+        return LeadingMatcher
+    return None

@@ -13,6 +13,7 @@ import torch
 
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
+from mci.grammar.cache import GrammarState
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.runner.sampler import sample
@@ -49,8 +50,10 @@ def generate(
     top_k: int = 0,
     stop_token_ids: tuple[int, ...] = (),
     attention_path: str = "auto",
+    grammar: GrammarState | None = None,
 ) -> GenerationResult:
-    """Generate up to `max_new_tokens` after `prompt_ids`, stopping early at a stop token."""
+    """Generate up to `max_new_tokens` after `prompt_ids`, stopping early at a stop token;
+    `grammar` (ready) masks and follows the output (token healing)."""
     if not prompt_ids:
         raise ValueError("prompt must have at least one token")
     # The engine's sampler, on a one-request batch: same filters, same seeded draws.
@@ -63,10 +66,13 @@ def generate(
         ignore_eos=True,
     )
     request = Request("generate", list(prompt_ids), params)
+    request.grammar = grammar
 
     def next_token(logits: torch.Tensor) -> torch.Tensor:
         token = sample(logits.cpu(), [request], ()).token_ids[0]
         request.append_token(token)
+        if grammar is not None and not grammar.matcher.accept(token):
+            raise RuntimeError(f"token {token} breaks the grammar its mask allowed")
         return torch.tensor([token], device=device)
 
     total = len(prompt_ids) + max_new_tokens

@@ -15,6 +15,7 @@ from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
 from mci.errors import InvalidParameter
 from mci.grammar.cache import GrammarCache
+from mci.grammar.healing import heal_prompt, healing_constraint
 from mci.tokenizer import TextTokenizer
 
 
@@ -61,6 +62,27 @@ class RequestFront:
                 code="context_length_exceeded",
             )
         params.check_vocab(self.vocab_size)
+
+    def heal(self, ids: list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """Token healing (mci/grammar/healing.py): the prompt backed off by its healed tail,
+        and params whose constraint makes the output start with that text. Unchanged when
+        there is nothing to heal."""
+        if params.constraint is not None:
+            raise InvalidParameter(
+                "token_healing cannot be combined with an output constraint", "token_healing"
+            )
+        if params.logprobs is not None:
+            raise InvalidParameter(
+                "token_healing cannot be combined with logprobs (the first tokens also spell "
+                "the healed prompt text)",
+                "token_healing",
+            )
+        kept, text = heal_prompt(self.tokenizer, ids)
+        if not text:
+            return ids, params
+        return kept, dataclasses.replace(
+            params, constraint=healing_constraint(text), healed_text=text
+        )
 
     def check_constraint(self, params: SamplingParams) -> None:
         """Compile the output constraint (cached): a malformed or unsupported one is an

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import random
+from functools import partial
 
 import jsonschema
 import pytest
 
 from mci.grammar.cache import xgrammar_cache
 from mci.grammar.constraint import Constraint
+from mci.grammar.deferred import DeferredMatcher
 from mci.server.reasoning import END, ReasoningStream, split_reasoning
 from mci.tokenizer import TextTokenizer
 
@@ -84,7 +86,7 @@ def test_deferred_grammar_starts_after_its_token(checkpoint):
     tok = TextTokenizer.load(checkpoint(markup=True))
     end = tok.backend.token_to_id(END)
     cache = xgrammar_cache(tok, 2048, (1,))
-    state = cache.state(Constraint("regex", "[0-9]+"), start_token=end)
+    state = cache.state(Constraint("regex", "[0-9]+"), partial(DeferredMatcher, start_token=end))
     cache.compile_now(Constraint("regex", "[0-9]+"))
     assert state.ready()
     m, backend = state.matcher, state.backend

@@ -213,7 +213,7 @@ def shared_core(tiny):
     return _core(tiny)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schema=_schema(), seed=st.integers(0, 1000))
 def test_generated_schemas_always_validate(tiny, shared_core, schema, seed):
     constraint = Constraint("json_schema", json.dumps(schema))

@@ -45,6 +45,9 @@ class SamplingParams:
     constraint: Constraint | None = None  # what the output must match (structured output)
     # the constraint applies after this token is generated (a reasoning model's `</think>`)
     constraint_start_token_id: int | None = None
+    # token healing (mci/grammar/healing.py): the prompt text backed off, which the output
+    # starts with (its constraint says so) and which is not reported
+    healed_text: str = ""
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -93,6 +96,11 @@ class SamplingParams:
                 "values must be in [-100, 100]",
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (
+                not self.healed_text or self.constraint is not None,
+                "healed_text",
+                "needs its healing constraint",
+            ),
             (
                 self.constraint_start_token_id is None or self.constraint is not None,
                 "constraint_start_token_id",

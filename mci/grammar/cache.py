@@ -16,7 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from mci.grammar.backend import GrammarBackend, Matcher
 from mci.grammar.constraint import Constraint
-from mci.grammar.deferred import DeferredMatcher
 
 CACHE_ENTRIES = 256  # distinct constraints kept compiled (least recently used dropped)
 
@@ -58,9 +57,12 @@ class GrammarCache:
         """Compile (or reuse) and wait; raises the backend's InvalidParameter."""
         return self.submit(constraint).result()
 
-    def state(self, constraint: Constraint, start_token: int | None = None) -> GrammarState:
-        """A request's state; with `start_token`, the grammar applies after that token."""
-        return GrammarState(self, self.submit(constraint), start_token)
+    def state(
+        self, constraint: Constraint, window: Callable[[Matcher], Matcher] | None = None
+    ) -> GrammarState:
+        """A request's state; `window` wraps its matcher to apply the grammar to part of the
+        output (grammar/deferred.py, grammar/healing.py)."""
+        return GrammarState(self, self.submit(constraint), window)
 
 
 def xgrammar_cache(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> GrammarCache:
@@ -78,10 +80,15 @@ def xgrammar_cache(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> Gra
 class GrammarState:
     """One request's progress through its grammar. The matcher exists once compiled."""
 
-    def __init__(self, cache: GrammarCache, compiled: Future, start_token: int | None = None):
+    def __init__(
+        self,
+        cache: GrammarCache,
+        compiled: Future,
+        window: Callable[[Matcher], Matcher] | None = None,
+    ):
         self._cache = cache
         self._compiled = compiled
-        self._start_token = start_token
+        self._window = window
         self.matcher: Matcher | None = None
 
     def ready(self) -> bool:
@@ -89,9 +96,7 @@ class GrammarState:
         error if compiling failed."""
         if self.matcher is None and self._compiled.done():
             matcher = self.backend.matcher(self._compiled.result())
-            if self._start_token is not None:
-                matcher = DeferredMatcher(matcher, self._start_token)
-            self.matcher = matcher
+            self.matcher = matcher if self._window is None else self._window(matcher)
         return self.matcher is not None
 
     def wait(self, timeout_s: float) -> None:

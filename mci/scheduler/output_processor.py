@@ -40,7 +40,8 @@ class OutputProcessor:
 
     def add(self, req: Request) -> None:
         holdback = max((len(s) for s in req.params.stop), default=1) - 1
-        detok = IncrementalDetokenizer(self._tokenizer, req.params.skip_special_tokens)
+        p = req.params
+        detok = IncrementalDetokenizer(self._tokenizer, p.skip_special_tokens, len(p.healed_text))
         self._states[req.request_id] = _TextState(detok, holdback=holdback)
 
     def on_tokens(self, req: Request, tokens: list[int], logprobs: list) -> RequestOutput:

@@ -78,23 +78,29 @@ def _admit(state: ServerState, num_samples: int) -> None:
         )
 
 
-def _prompt_ids(state: ServerState, prompts, params: SamplingParams, names) -> list[list[int]]:
-    """Every prompt's ids, each checked with its completion against the context length, under
-    the endpoint's names for the fields (400s before anything is queued)."""
+def _prompt_ids(
+    state: ServerState, prompts, params: SamplingParams, names, heal: bool = False
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Every prompt's ids and params (token healing, when `heal`, changes both), each checked
+    with its completion against the context length, under the endpoint's names for the fields
+    (400s before anything is queued)."""
     with protocol.reported_as(names):
         encoded = [state.front.encode(p) for p in prompts]
-        for ids in encoded:
-            state.front.check(ids, params)
-    return encoded
+        per_prompt = [params] * len(encoded)
+        if heal:
+            healed = [state.front.heal(ids, params) for ids in encoded]
+            encoded, per_prompt = [h[0] for h in healed], [h[1] for h in healed]
+        for ids, p in zip(encoded, per_prompt, strict=True):
+            state.front.check(ids, p)
+    return encoded, per_prompt
 
 
-async def _check_constraint(state: ServerState, params: SamplingParams, names) -> None:
-    """Compile the request's output constraint (cached) off the event loop: a bad schema,
+async def _check_constraints(state: ServerState, per_prompt: list[SamplingParams], names) -> None:
+    """Compile the requests' output constraints (cached) off the event loop: a bad schema,
     regex or grammar is a 400 here, before anything is queued."""
-    if params.constraint is None:
-        return
     with protocol.reported_as(names):
-        await asyncio.to_thread(state.front.check_constraint, params)
+        for params in {p.constraint: p for p in per_prompt if p.constraint}.values():
+            await asyncio.to_thread(state.front.check_constraint, params)
 
 
 _ERRORS = {
@@ -226,12 +232,13 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         params = protocol.completion_params(body)
         texts = protocol.completion_prompts(body)
-        encoded = _prompt_ids(state, texts, params, protocol.COMPLETION_NAMES)
-        await _check_constraint(state, params, protocol.COMPLETION_NAMES)
+        heal = state.config.token_healing if body.token_healing is None else body.token_healing
+        encoded, per_prompt = _prompt_ids(state, texts, params, protocol.COMPLETION_NAMES, heal)
+        await _check_constraints(state, per_prompt, protocol.COMPLETION_NAMES)
         prompts = list(zip(texts, encoded, strict=True))
         _admit(state, len(prompts) * params.n)
         rid = protocol.new_id("cmpl")
-        sub = Submission(state, rid, encoded, params, body.priority or 0)
+        sub = Submission(state, rid, encoded, per_prompt, body.priority or 0)
         ctx = StreamContext(state, sub, rid, prompts, params, bool(body.echo), _include_usage(body))
         if body.stream:
             return streaming_response(stream_completion(ctx), ctx)
@@ -249,8 +256,8 @@ def build_app(state: ServerState) -> FastAPI:
         reasoning = state.config.reasoning_parser is not None
         params = protocol.chat_params(body, tools, reasoning, state.think_end_id)
         ids = protocol.chat_prompt_ids(state.tokenizer, body)
-        (ids,) = _prompt_ids(state, [ids], params, protocol.CHAT_NAMES)
-        await _check_constraint(state, params, protocol.CHAT_NAMES)
+        (ids,), per_prompt = _prompt_ids(state, [ids], params, protocol.CHAT_NAMES)
+        await _check_constraints(state, per_prompt, protocol.CHAT_NAMES)
         _admit(state, params.n)
         rid = protocol.new_id("chatcmpl")
         sub = Submission(state, rid, [ids], params, body.priority or 0)
@@ -283,11 +290,15 @@ def build_app(state: ServerState) -> FastAPI:
         single = isinstance(body.text, str) or (
             body.input_ids is not None and isinstance(body.input_ids[0], int)
         )
-        encoded = _prompt_ids(state, prompts, params, protocol.NATIVE_NAMES)
-        await _check_constraint(state, params, protocol.NATIVE_NAMES)
+        sampling = body.sampling_params
+        heal = state.config.token_healing
+        if sampling is not None and sampling.token_healing is not None:
+            heal = sampling.token_healing
+        encoded, per_prompt = _prompt_ids(state, prompts, params, protocol.NATIVE_NAMES, heal)
+        await _check_constraints(state, per_prompt, protocol.NATIVE_NAMES)
         _admit(state, len(prompts) * params.n)
         rid = protocol.new_id("gen")
-        sub = Submission(state, rid, encoded, params, body.priority or 0)
+        sub = Submission(state, rid, encoded, per_prompt, body.priority or 0)
         if body.stream:
             ctx = StreamContext(state, sub, rid, list(zip(prompts, encoded)), params)
             return streaming_response(stream_native(ctx), ctx)

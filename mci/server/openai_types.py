@@ -99,6 +99,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, description="top alternatives per token, 0-20")
     suffix: str | None = Field(None, description="not supported: must be absent or empty")
     best_of: int | None = Field(None, description="only equal to n is supported")
+    token_healing: bool | None = Field(
+        None, description="back off the prompt's last token(s) and regenerate them (opt-in)"
+    )
 
 
 class TextPart(_Strict):
@@ -172,6 +175,7 @@ class NativeSamplingParams(_Strict):
     json_schema: Text | None = Field(None, description="the output is JSON valid against it")
     regex: Text | None = None
     ebnf: Text | None = None
+    token_healing: bool | None = None
 
 
 class GenerateRequest(_Strict):

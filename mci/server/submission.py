@@ -31,19 +31,21 @@ class Submission:
         state: ServerState,
         rid: str,
         prompts: list[list[int]],
-        params: SamplingParams,
+        params: SamplingParams | list[SamplingParams],
         priority: int,
     ):
+        """`params`: for every prompt, or one each (token healing makes them differ)."""
         self.state = state
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.index: dict[str, int] = {}
         self.trackers: dict[str, _Tracker] = {}
         self.remaining: set[str] = set()
         timeout = state.config.request_timeout
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         try:
-            for k, ids in enumerate(prompts):
+            for k, (ids, p) in enumerate(zip(prompts, per_prompt, strict=True)):
                 for sid, _ in state.client.submit(
-                    f"{rid}-p{k}", ids, params, priority, timeout, queue=self.queue
+                    f"{rid}-p{k}", ids, p, priority, timeout, queue=self.queue
                 ):
                     self.index[sid] = len(self.index)
                     self.trackers[sid] = _Tracker()
