@@ -209,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plan)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_config_args(s, sections=("model", "cache", "scheduler", "speculative", "server"))
+    add_config_args(
+        s, sections=("model", "cache", "scheduler", "speculative", "parallel", "server")
+    )
     s.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")

@@ -66,6 +66,7 @@ class Engine:
     ):
         self.config = config or EngineConfig()
         parts = assemble(self.config, model, tokenizer)
+        self._parts = parts
         self.model, self.tokenizer, self.front = parts.model, parts.tokenizer, parts.front
         self.core = parts.core
         self.scheduler = self.core.scheduler
@@ -259,6 +260,7 @@ class Engine:
             self._thread.join(timeout=30)
         else:
             self._loop.stop("engine shut down")
+        self._parts.close()
 
     def __enter__(self):
         return self

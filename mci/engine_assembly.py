@@ -6,6 +6,7 @@ The only place that knows how the parts fit together; everything else receives t
 from __future__ import annotations
 
 import logging
+import multiprocessing
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ from mci.errors import UserError
 from mci.grammar.cache import xgrammar_cache
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.loader import load_model
+from mci.parallel.launch import load_sharded
+from mci.parallel.rpc import ShardedModel
 from mci.request_front import RequestFront
 from mci.runner.model_runner import ModelRunner
 from mci.scheduler.output_processor import OutputProcessor
@@ -36,12 +39,26 @@ log = logging.getLogger("mci")
 @dataclass(frozen=True)
 class EngineParts:
     """A built engine: the model and tokenizer, the core that steps them, and the front that
-    turns prompts into its requests."""
+    turns prompts into its requests; in a parallel run, the model is rank 0's handle on all
+    ranks and `followers` this node's other rank processes."""
 
-    model: DeepseekV3ForCausalLM
+    model: DeepseekV3ForCausalLM | ShardedModel
     tokenizer: TextTokenizer
     core: EngineCore
     front: RequestFront
+    followers: tuple[multiprocessing.Process, ...] = ()
+
+    def close(self) -> None:
+        """Release the other ranks of a parallel run (nothing to do for one process)."""
+        if isinstance(self.model, ShardedModel):
+            try:
+                self.model.close()
+            except RuntimeError as exc:  # a rank already gone: nothing to release
+                log.warning("closing the parallel run: %s", exc)
+        for proc in self.followers:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
 
 
 def assemble(
@@ -51,6 +68,9 @@ def assemble(
 ) -> EngineParts:
     """Load what is not passed in (tests share one loaded model between engines), then build."""
     placement = config.model
+    followers = []
+    if model is None and config.parallel.world_size > 1:
+        model, followers = load_sharded(config)
     model = model or load_model(placement.model_path, placement.dtype, placement.device)
     tokenizer = tokenizer or TextTokenizer.load(placement.model_path)
     log.info(
@@ -62,7 +82,7 @@ def assemble(
     cfg = model.cfg
     core = build_engine_core(config, model, tokenizer)
     front = RequestFront(tokenizer, cfg.vocab_size, cfg.max_position_embeddings, core.grammar)
-    return EngineParts(model, tokenizer, core, front)
+    return EngineParts(model, tokenizer, core, front, tuple(followers))
 
 
 def build_engine_core(

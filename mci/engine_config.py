@@ -172,6 +172,48 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes (mci/parallel/): SGLang's flag names."""
+
+    tp_size: int = _opt(1, "tensor-parallel ranks (heads, MLPs, vocabulary)", aliases=("--tp",))
+    ep_size: int = _opt(
+        1, "expert-parallel ranks (routed experts split by expert)", aliases=("--ep",)
+    )
+    nnodes: int = _opt(1, "machines the ranks span")
+    node_rank: int = _opt(0, "this machine's index; node 0 serves, the others only compute")
+    dist_init_addr: str | None = _opt(
+        None, "host:port of node 0's rendezvous (default: a free local port; one node only)"
+    )
+    dist_timeout: float = _opt(
+        30.0, "seconds a collective may wait for a peer before the run fails (dead/stuck rank)"
+    )
+
+    def __post_init__(self):
+        world = self.world_size
+        for name, size in (("--tp-size", self.tp_size), ("--ep-size", self.ep_size)):
+            if size < 1 or size not in (1, world):
+                raise UserError(
+                    f"{name} must be 1 or the number of ranks ({world}): tp and ep share them"
+                )
+        if self.nnodes < 1 or world % self.nnodes:
+            raise UserError(f"--nnodes {self.nnodes} does not divide the {world} ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UserError(f"--node-rank must be in [0, {self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise UserError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's)")
+        if self.dist_timeout <= 0:
+            raise UserError("--dist-timeout must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        return max(self.tp_size, self.ep_size)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The HTTP front end of `mci serve`."""
 
@@ -211,6 +253,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     check_integrity: bool = False  # verify slot accounting every step (tests)
 
 
@@ -219,6 +262,7 @@ SECTIONS = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
+    "parallel": ParallelConfig,
 }
 ALL_SECTIONS = {**SECTIONS, "server": ServerConfig}
 

@@ -30,6 +30,7 @@ from mci.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from mci.layers.linear import BATCH_INVARIANT_ROWS, Linear, fixed_rows, make_linear, pad_rows
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import apply_rope
+from mci.parallel.context import ParallelContext
 
 # Batch-invariant attention pads each group's keys to a multiple of this (masked): SDPA's CPU
 # kernel handles a key tail shorter than its 16-wide vectors apart, which changes a query's
@@ -55,9 +56,24 @@ def choose_absorbed(cfg: ModelConfig, meta: AttentionMetadata | AttentionGroup) 
 class MultiHeadLatentAttention(nn.Module):
     """MLA with a latent KV cache; x: [T, hidden] -> [T, hidden]."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        fp8_block,
+        parallel: ParallelContext | None = None,
+    ):
+        """Under tensor parallelism this rank holds heads [tp_rank * H/tp, ...): the head-wise
+        rows of q_b_proj (q_proj) and kv_b_proj and the matching columns of o_proj; the latent
+        projection and its cache are whole on every rank (MLA has one latent "head")."""
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
+        self.parallel = parallel or ParallelContext.single()
+        tp = self.parallel.tp_size
+        if cfg.num_attention_heads % tp:
+            raise ValueError(
+                f"num_attention_heads ({cfg.num_attention_heads}) does not divide by tp {tp}"
+            )
+        self.num_heads = cfg.num_attention_heads // tp
         self.nope, self.rope_dim, self.v_dim = (
             cfg.qk_nope_head_dim,
             cfg.qk_rope_head_dim,
@@ -129,7 +145,8 @@ class MultiHeadLatentAttention(nn.Module):
                 out[rows] = self._attend(
                     q_nope[rows], q_rope[rows], kv_cache, group, group_absorbed
                 )
-        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+        out = self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+        return self.parallel.all_reduce(out) if self.parallel.tp_size > 1 else out
 
     def _attend(self, q_nope, q_rope, kv_cache, group: AttentionGroup, absorbed: bool):
         """One group's attention: q_* [N, H, *] (N = B * Q rows) -> [N, H, v]."""

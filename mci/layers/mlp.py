@@ -8,10 +8,18 @@ from mci.layers.linear import Linear
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up run as one fused matmul. [T, H] -> [T, H]."""
+    """down(silu(gate(x)) * up(x)); gate and up run as one fused matmul. [T, H] -> [T, H].
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, fp8_block=None):
+    With `shards` > 1 this holds 1/shards of the intermediate dimension (column-parallel gate
+    and up, row-parallel down): its output is a partial sum the caller all-reduces."""
+
+    def __init__(
+        self, hidden: int, inter: int, dtype: torch.dtype, fp8_block=None, shards: int = 1
+    ):
         super().__init__()
+        if inter % shards:
+            raise ValueError(f"intermediate size {inter} does not divide into {shards} shards")
+        inter //= shards
         self.gate_up_proj = Linear(hidden, (inter, inter), dtype, fp8_block)
         self.down_proj = Linear(inter, (hidden,), dtype, fp8_block)
 

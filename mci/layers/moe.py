@@ -25,6 +25,7 @@ from mci.layers.linear import (
     packed_linear,
 )
 from mci.layers.mlp import GatedMLP
+from mci.parallel.context import ParallelContext
 
 
 class TopKRouter(nn.Module):
@@ -99,9 +100,23 @@ class RoutedExperts(nn.Module):
     GROUPED_MAX_PADDING = 3.0
     GROUPED_MAX_ROWS = 16
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block, parallel: ParallelContext):
+        """Under expert parallelism this rank holds experts [first, first + E/ep); under
+        tensor parallelism alone, every expert's intermediate rows 1/tp (SGLang's TP MoE). The
+        output is then a partial sum (MoE all-reduces it)."""
         super().__init__()
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.total_experts = e
+        if parallel.ep_size > 1:
+            first, stop = parallel.split(e, parallel.ep_size, parallel.ep_rank, "n_routed_experts")
+            self.first_expert, e = first, stop - first
+        else:
+            self.first_expert = 0
+            if i % parallel.tp_size:
+                raise ValueError(
+                    f"moe_intermediate_size ({i}) does not divide by tp {parallel.tp_size}"
+                )
+            i //= parallel.tp_size
         self.num_experts = e
         self.gate_up_proj = Linear(h, (i, i), dtype, fp8_block, num_experts=e)  # [E, 2I, H]
         self.down_proj = Linear(i, (h,), dtype, fp8_block, num_experts=e)  # [E, H, I]
@@ -114,12 +129,17 @@ class RoutedExperts(nn.Module):
         """x: [T, H], weights/ids: [T, K] -> sum_k weights[t,k] * expert_{ids[t,k]}(x[t]),
         float32 [T, H]."""
         top_k = ids.shape[1]
-        flat_ids = ids.flatten()  # [T*K]
+        flat_ids = ids.flatten() - self.first_expert  # [T*K], this rank's expert numbering
         order = flat_ids.argsort(stable=True)  # assignments grouped by expert
+        if self.num_experts < self.total_experts:
+            held = (flat_ids[order] >= 0) & (flat_ids[order] < self.num_experts)
+            order = order[held]  # expert parallelism: only the experts this rank holds
         token_idx = order // top_k  # [T*K] token of each sorted assignment
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        counts = torch.bincount(flat_ids[order], minlength=self.num_experts)
         x_sorted = x.index_select(0, token_idx)  # [T*K, H] (index_select: ~4x aten's x[idx])
         counts_list = counts.tolist()
+        if not order.numel():
+            return x.new_zeros(x.shape, dtype=torch.float32)
         capacity = bucket_rows(max(counts_list))
         active = sum(1 for c in counts_list if c)
         if (
@@ -170,20 +190,36 @@ class MoE(nn.Module):
     unrounded input; the experts get it rounded to the compute dtype once.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        fp8_block,
+        parallel: ParallelContext | None = None,
+    ):
         super().__init__()
         self.dtype = dtype
-        self.gate = TopKRouter(cfg)
-        self.experts = RoutedExperts(cfg, dtype, fp8_block)
+        self.parallel = parallel = parallel or ParallelContext.single()
+        self.gate = TopKRouter(cfg)  # whole on every rank: every rank routes alike
+        self.experts = RoutedExperts(cfg, dtype, fp8_block, parallel)
         self.shared_experts = None
         if cfg.n_shared_experts:
             inter = cfg.moe_intermediate_size * cfg.n_shared_experts
-            self.shared_experts = GatedMLP(cfg.hidden_size, inter, dtype, fp8_block)
+            self.shared_experts = GatedMLP(
+                cfg.hidden_size, inter, dtype, fp8_block, shards=parallel.tp_size
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One all-reduce in a parallel run: of routed + shared when both are partial sums
+        (tensor parallelism), of the routed part alone when the shared experts are whole on
+        every rank (expert parallelism without tensor parallelism)."""
         weights, ids = self.gate(x)
         x = x.to(self.dtype)
         out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        if self.parallel.world_size == 1:
+            return out if shared is None else out + shared
+        if self.parallel.tp_size > 1:
+            return self.parallel.all_reduce(out if shared is None else out + shared)
+        out = self.parallel.all_reduce(out)
+        return out if shared is None else out + shared

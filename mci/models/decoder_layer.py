@@ -10,6 +10,7 @@ from mci.layers.attention import MultiHeadLatentAttention
 from mci.layers.mlp import GatedMLP
 from mci.layers.moe import MoE
 from mci.layers.norm import RMSNorm
+from mci.parallel.context import ParallelContext
 
 
 class DecoderLayer(nn.Module):
@@ -20,22 +21,31 @@ class DecoderLayer(nn.Module):
     Only [T, hidden] elementwise work is float32; every matmul input is in the compute dtype.
     """
 
-    def __init__(self, cfg: ModelConfig, moe: bool, dtype: torch.dtype):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        moe: bool,
+        dtype: torch.dtype,
+        parallel: ParallelContext | None = None,
+    ):
         super().__init__()
+        self.parallel = parallel = parallel or ParallelContext.single()
         fp8 = cfg.fp8.block_size if cfg.fp8 else None
         # The MoE takes its input unrounded, for its router (see `MoE`).
         self.ffn_input_dtype = torch.float32 if moe else dtype
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = MultiHeadLatentAttention(cfg, dtype, fp8)
+        self.self_attn = MultiHeadLatentAttention(cfg, dtype, fp8, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.dense_partial = not moe and parallel.tp_size > 1  # its output is all-reduced
         self.mlp = (
-            MoE(cfg, dtype, fp8)
+            MoE(cfg, dtype, fp8, parallel)
             if moe
-            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8)
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8, parallel.tp_size)
         )
 
     def forward(self, x, meta, rope_cos_sin, kv_cache, absorbed: tuple[bool, ...]) -> torch.Tensor:
         """x: float32 [T, hidden] -> float32 [T, hidden]; kv_cache: [num_slots, latent_dim]
         of this layer."""
         x = x + self.self_attn(self.input_layernorm(x), meta, rope_cos_sin, kv_cache, absorbed)
-        return x + self.mlp(self.post_attention_layernorm(x, self.ffn_input_dtype))
+        ffn = self.mlp(self.post_attention_layernorm(x, self.ffn_input_dtype))
+        return x + (self.parallel.all_reduce(ffn) if self.dense_partial else ffn)

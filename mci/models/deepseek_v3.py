@@ -16,22 +16,25 @@ from torch import nn
 from mci.config import ModelConfig
 from mci.layers.attention import ATTENTION_KEY_MULTIPLE, MultiHeadLatentAttention, choose_absorbed
 from mci.layers.attention_metadata import AttentionMetadata
+from mci.layers.embedding import VocabEmbedding, VocabHead
 from mci.layers.linear import Linear
 from mci.layers.moe import RoutedExperts, TopKRouter
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import RotaryEmbedding
 from mci.models.decoder_layer import DecoderLayer
 from mci.models.mtp import MTPLayer
+from mci.parallel.context import ParallelContext
 
 
 class DeepseekV3Backbone(nn.Module):
     """Embeddings, decoder layers and the final norm (named `model` like the checkpoint)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, parallel: ParallelContext):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, _freeze=True)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, cfg.is_moe_layer(i), dtype) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, cfg.is_moe_layer(i), dtype, parallel)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -43,17 +46,26 @@ class DeepseekV3ForCausalLM(nn.Module):
     the main model uses row i, MTP module k uses row num_hidden_layers + k (when allocated).
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = True):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        with_mtp: bool = True,
+        parallel: ParallelContext | None = None,
+    ):
+        """`parallel`: this rank's part of a tensor/expert-parallel run (mci/parallel/);
+        None: the whole model in one process."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
-        self.model = DeepseekV3Backbone(cfg, dtype)
-        self.lm_head = Linear(cfg.hidden_size, (cfg.vocab_size,), dtype)  # never FP8
+        self.parallel = parallel = parallel or ParallelContext.single()
+        self.model = DeepseekV3Backbone(cfg, dtype, parallel)
+        self.lm_head = VocabHead(cfg.hidden_size, cfg.vocab_size, dtype, parallel)  # never FP8
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
         num_mtp = cfg.num_mtp_layers if with_mtp else 0
-        self.mtp = nn.ModuleList(MTPLayer(cfg, dtype) for _ in range(num_mtp))
+        self.mtp = nn.ModuleList(MTPLayer(cfg, dtype, parallel) for _ in range(num_mtp))
         self.batch_invariant = False  # see `set_batch_invariant`
 
     @property
@@ -111,6 +123,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         shape = (rows, num_slots, self.cfg.kv_latent_dim)
         return torch.zeros(shape, dtype=self.dtype, device=device)
 
+    def copy_cache_slot(self, kv_cache: torch.Tensor, row: int, dst: int, src: int) -> None:
+        """Copy slot `src`'s latent to slot `dst` in cache row `row` (the engine's only cache
+        write outside a forward: a model method, so a parallel run replicates it on every
+        rank)."""
+        kv_cache[row, dst] = kv_cache[row, src]
+
     def rope_for(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, rope/2] for the step's positions, computed once and shared by all layers.
 
@@ -154,7 +172,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        return self.lm_head.logits(hidden)
 
     @torch.inference_mode()
     def mtp_forward(

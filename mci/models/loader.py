@@ -11,6 +11,7 @@ FP8 tensors stay FP8; unquantised tensors are converted to the compute dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -24,6 +25,8 @@ from mci.config import ModelConfig, load_config
 from mci.errors import CheckpointError, UserError
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.layout import checkpoint_layout, mtp_prefixes
+from mci.parallel.context import ParallelContext
+from mci.parallel.sharding import SKIP, local_expert, tensor_shard
 
 log = logging.getLogger("mci")
 
@@ -120,8 +123,32 @@ def destination(modules: dict[str, torch.nn.Module], target: ParamTarget) -> tor
     return dst
 
 
-def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> DeepseekV3ForCausalLM:
-    """Validate and load the checkpoint at `path`; returns the model in eval mode."""
+def _read_part(f, name: str, expected: dict, cfg: ModelConfig, parallel: ParallelContext):
+    """This rank's part of tensor `name` from open file `f` (None: not held here)."""
+    is_scale = name.endswith(".weight_scale_inv")
+    weight = expected[name.removesuffix("_scale_inv")] if is_scale else expected[name]
+    block = cfg.fp8.block_size if is_scale and cfg.fp8 else None
+    try:
+        shard = tensor_shard(name, weight.shape, cfg.n_routed_experts, parallel, block)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if shard is SKIP:
+        return None
+    if shard is None:
+        return f.get_tensor(name)
+    index = [slice(None)] * len(expected[name].shape)
+    index[shard.dim] = slice(shard.start, shard.stop)
+    return f.get_slice(name)[tuple(index)]
+
+
+def load_model(
+    path: str | Path,
+    dtype: str = "auto",
+    device: str = "cpu",
+    parallel: ParallelContext | None = None,
+) -> DeepseekV3ForCausalLM:
+    """Validate and load the checkpoint at `path`; returns the model in eval mode. With
+    `parallel`, only this rank's part of each tensor is read (mci/parallel/sharding.py)."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"model directory {path} does not exist")
@@ -157,8 +184,12 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> De
         if (spec.dtype == "F8_E4M3") != (st_dtype == "F8_E4M3"):
             raise CheckpointError(f"tensor {name} has dtype {st_dtype}, expected {spec.dtype}")
 
-    with torch.device("cpu"):
-        model = DeepseekV3ForCausalLM(cfg, compute_dtype, with_mtp=with_mtp)
+    parallel = parallel or ParallelContext.single()
+    try:
+        with torch.device("cpu"):
+            model = DeepseekV3ForCausalLM(cfg, compute_dtype, with_mtp, parallel)
+    except ValueError as exc:  # a size the parallel layout cannot split
+        raise UserError(str(exc)) from None
     modules = dict(model.named_modules())
     by_file: dict[Path, list[str]] = {}
     for name in expected:
@@ -166,6 +197,13 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> De
     for file, names in sorted(by_file.items()):
         with safe_open(file, framework="pt") as f:
             for name in names:
-                destination(modules, checkpoint_to_param(name, cfg)).copy_(f.get_tensor(name))
+                tensor = _read_part(f, name, expected, cfg, parallel)
+                if tensor is None:
+                    continue  # another rank's expert
+                target = checkpoint_to_param(name, cfg)
+                if target.expert is not None:
+                    expert = local_expert(target.expert, cfg.n_routed_experts, parallel)
+                    target = dataclasses.replace(target, expert=expert)
+                destination(modules, target).copy_(tensor)
     model.eval()
     return model.to(device)

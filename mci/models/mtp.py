@@ -18,30 +18,35 @@ import torch
 from torch import nn
 
 from mci.config import ModelConfig
+from mci.layers.embedding import VocabEmbedding, VocabHead
 from mci.layers.linear import make_linear
 from mci.layers.norm import RMSNorm
 from mci.models.decoder_layer import DecoderLayer
+from mci.parallel.context import ParallelContext
 
 
 class SharedHead(nn.Module):
     """The MTP module's output norm and vocabulary projection."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, parallel: ParallelContext):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.head = make_linear(cfg.hidden_size, cfg.vocab_size, dtype, None)  # never FP8
+        self.head = VocabHead(cfg.hidden_size, cfg.vocab_size, dtype, parallel)
 
 
 class MTPLayer(DecoderLayer):
     """One MTP depth: a decoder block (same tensor names as a main layer) with extra inputs."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
-        super().__init__(cfg, moe=cfg.n_routed_experts > 0, dtype=dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, _freeze=True)
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, parallel: ParallelContext | None = None
+    ):
+        parallel = parallel or ParallelContext.single()
+        super().__init__(cfg, moe=cfg.n_routed_experts > 0, dtype=dtype, parallel=parallel)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.eh_proj = make_linear(2 * cfg.hidden_size, cfg.hidden_size, dtype, None)  # plain
-        self.shared_head = SharedHead(cfg, dtype)
+        self.shared_head = SharedHead(cfg, dtype, parallel)
 
     def forward(
         self, next_ids, hidden, meta, rope_cos_sin, kv_cache, absorbed: tuple[bool, ...]
@@ -53,4 +58,4 @@ class MTPLayer(DecoderLayer):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> float32 logits [T, vocab] for the token after next."""
-        return self.shared_head.head(self.shared_head.norm(hidden)).float()
+        return self.shared_head.head.logits(self.shared_head.norm(hidden))

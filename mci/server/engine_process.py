@@ -110,7 +110,10 @@ def engine_main(config: EngineConfig, conn: Connection) -> None:
     conn.send(messages.Ready(info))
     inbox = PipeInbox(conn, parts)
     loop = EngineLoop(parts.core)
-    loop.run(inbox, lambda: inbox.stop, inbox.flush)
-    if inbox.shutdown_asked:
-        loop.stop("engine shut down")
-        inbox.flush()
+    try:
+        loop.run(inbox, lambda: inbox.stop, inbox.flush)
+        if inbox.shutdown_asked:
+            loop.stop("engine shut down")
+            inbox.flush()
+    finally:
+        parts.close()

@@ -56,6 +56,10 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     path = Path(engine_config.model.model_path)
     if not path.is_dir():
         raise UserError(f"model directory {path} does not exist")
+    if engine_config.parallel.node_rank > 0:  # a multi-node run's other machines compute only
+        from mci.parallel.launch import run_follower_node
+
+        return run_follower_node(engine_config)
     model_config = load_config(path)
     tokenizer = TextTokenizer.load(path)
     if server_config.context_length is not None and not (

@@ -87,11 +87,13 @@ class MTPDrafter:
         chunks, next_ids, rows, pending, draft_rows = [], [], [], [], []
         scratch_row = {i: j for j, i in enumerate(drafting)}
         offset = 0
-        mtp_row = self.kv_cache[self.model.cfg.num_hidden_layers]
+        mtp_row = self.model.cfg.num_hidden_layers
         for i, item in enumerate(items):
             req, start = item.request, item.start
             if req.matched_next_slot is not None:  # first step after a prefix match
-                mtp_row[req.slots[start]] = mtp_row[req.matched_next_slot]
+                self.model.copy_cache_slot(
+                    self.kv_cache, mtp_row, int(req.slots[start]), int(req.matched_next_slot)
+                )
                 req.matched_next_slot = None
             kept = _kept(item, new_tokens.get(i))
             known = item.num_new - len(item.draft_ids)

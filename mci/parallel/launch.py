@@ -1,0 +1,138 @@
+"""Starting a parallel run: follower rank processes, the rendezvous, per-rank loading.
+
+`mci serve --tp-size 2` starts everything on one machine: the engine process is rank 0 and
+spawns ranks 1..W-1 itself. Across machines (`--nnodes`, `--node-rank`, `--dist-init-addr`, as
+in SGLang) node 0 runs `mci serve` as usual and every other node runs the same command with its
+`--node-rank`: it starts its ranks and serves nothing.
+
+Failure is fast and loud: a rank that cannot load its shard fails every rank at the load
+agreement (not at the first step); afterwards a rank that dies breaks its peers' next
+collective at once (its sockets close), and a stuck one fails them after --dist-timeout.
+Followers are daemon processes of rank 0, so rank 0 exiting takes them down; a follower whose
+rank 0 died fails its next collective and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+from mci.engine_config import EngineConfig, ParallelConfig
+from mci.errors import UserError
+from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
+from mci.models.loader import load_model
+from mci.parallel.context import ParallelContext, init_process_group
+from mci.parallel.rpc import ShardedModel, follow
+
+log = logging.getLogger("mci")
+
+
+def _free_local_addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _set_threads(par: ParallelConfig, device: str) -> None:
+    """Ranks of a node share its cores: each gets its share (oversubscribing them makes every
+    rank wait on the slowest)."""
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // par.ranks_per_node))
+
+
+def _join(config: EngineConfig, rank: int, init_addr: str) -> ParallelContext:
+    par = config.parallel
+    _set_threads(par, config.model.device)
+    group = init_process_group(
+        rank, par.world_size, init_addr, par.dist_timeout, config.model.device
+    )
+    return ParallelContext(rank, par.world_size, par.tp_size, par.ep_size, group)
+
+
+def _load_agreed(config: EngineConfig, parallel: ParallelContext) -> DeepseekV3ForCausalLM:
+    """Load this rank's shard; every rank learns whether all of them did (one all-reduce), so
+    a bad shard fails the run here, with its reason on the rank that hit it."""
+    placement = config.model
+    model, error = None, None
+    try:
+        model = load_model(placement.model_path, placement.dtype, placement.device, parallel)
+    except UserError as exc:
+        error = exc
+    failed = torch.tensor([0 if model is not None else 1])
+    dist.all_reduce(failed, group=parallel.group)
+    if error is not None:
+        raise error
+    if int(failed):
+        raise UserError(f"{int(failed)} rank(s) could not load their shard (see their log)")
+    return model
+
+
+def _follower_main(config: EngineConfig, rank: int, init_addr: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format=f"mci[rank {rank}]: %(message)s", stream=sys.stderr
+    )
+    try:
+        parallel = _join(config, rank, init_addr)
+        model = _load_agreed(config, parallel)
+        follow(model, parallel)
+    except UserError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+    except Exception as exc:  # noqa: BLE001 - a failed collective: a peer is gone or stuck
+        log.error("rank %d stopping: %s", rank, str(exc).splitlines()[0] if str(exc) else exc)
+        sys.exit(1)
+
+
+def start_followers(config: EngineConfig, init_addr: str) -> list[multiprocessing.Process]:
+    """Spawn this node's follower ranks (every rank of the node but rank 0)."""
+    par = config.parallel
+    first = par.node_rank * par.ranks_per_node
+    ranks = [r for r in range(first, first + par.ranks_per_node) if r != 0]
+    context = multiprocessing.get_context("spawn")
+    procs = []
+    for rank in ranks:
+        proc = context.Process(
+            target=_follower_main,
+            args=(config, rank, init_addr),
+            name=f"mci-rank-{rank}",
+            daemon=True,
+        )
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def load_sharded(config: EngineConfig) -> tuple[ShardedModel, list[multiprocessing.Process]]:
+    """Rank 0 (node 0): start this node's followers, join the run, load rank 0's shard."""
+    par = config.parallel
+    init_addr = par.dist_init_addr or _free_local_addr()
+    procs = start_followers(config, init_addr)
+    try:
+        parallel = _join(config, 0, init_addr)
+        model = _load_agreed(config, parallel)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+    log.info(
+        "parallel run: %d ranks (tp %d, ep %d) over %d node(s)",
+        par.world_size,
+        par.tp_size,
+        par.ep_size,
+        par.nnodes,
+    )
+    return ShardedModel(model, parallel), procs
+
+
+def run_follower_node(config: EngineConfig) -> int:
+    """`mci serve --node-rank K` (K > 0): this node's ranks, until the run ends."""
+    procs = start_followers(config, config.parallel.dist_init_addr)
+    for proc in procs:
+        proc.join()
+    return max((proc.exitcode or 0) for proc in procs) if procs else 0
