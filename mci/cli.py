@@ -83,7 +83,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise exc.renamed({"max_new_tokens": "--max-new-tokens"}) from None
     state = None
     if params.constraint is not None:
-        state = grammar.state(params.constraint, LeadingMatcher)
+        state = grammar.state(params.constraint, lambda matcher, _: LeadingMatcher(matcher))
         grammar.compile_now(params.constraint)
         state.ready()
     stops = () if args.ignore_eos else tuple(model.cfg.eos_token_ids)

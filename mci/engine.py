@@ -32,7 +32,7 @@ from mci.engine_loop import (
     QueueInbox,
     Sink,
 )
-from mci.errors import UserError
+from mci.errors import EngineBroken, UserError
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.tokenizer import TextTokenizer
 
@@ -202,7 +202,11 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
-        self._loop.run(self._inbox, self._stopped.is_set)
+        try:
+            self._loop.run(self._inbox, self._stopped.is_set)
+        except EngineBroken:  # in-flight requests have their error; refuse new ones
+            self._stopped.set()
+            return
         self._loop.stop("engine shut down")
 
     def run_once(self) -> None:

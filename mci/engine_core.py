@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
-from functools import partial
 
 from mci.cache.kv_manager import KVCacheManager
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
-from mci.grammar.backend import Matcher
-from mci.grammar.cache import GrammarCache
+from mci.grammar.cache import GrammarCache, Window
 from mci.grammar.deferred import DeferredMatcher
 from mci.grammar.healing import LeadingMatcher
 from mci.runner.model_runner import ModelRunner
@@ -65,7 +62,8 @@ class EngineCore:
         if constraint is not None:
             if self.grammar is None:
                 raise RuntimeError("this engine has no grammar backend")
-            req.grammar = self.grammar.state(constraint, _matcher_window(req.params))
+            stops = tuple(self.runner.eos_ids) + req.params.stop_token_ids
+            req.grammar = self.grammar.state(constraint, _matcher_window(req.params, stops))
         return self.scheduler.add_request(req)
 
     def _wait_for_a_grammar(self) -> None:
@@ -140,11 +138,12 @@ class EngineCore:
         return state
 
 
-def _matcher_window(params: SamplingParams) -> Callable[[Matcher], Matcher] | None:
-    """Where in the output a request's grammar applies: after `</think>` (reasoning), only at
-    the start (token healing), or everywhere (None)."""
-    if params.constraint_start_token_id is not None:
-        return partial(DeferredMatcher, start_token=params.constraint_start_token_id)
+def _matcher_window(params: SamplingParams, stops: tuple[int, ...]) -> Window | None:
+    """Where in the output a request's grammar applies: after `</think>` (reasoning; the
+    output may not stop before it), only at the start (token healing), or everywhere."""
+    start = params.constraint_start_token_id
+    if start is not None:
+        return lambda matcher, backend: DeferredMatcher(matcher, backend, start, stops)
     if params.healed_text:
-        return LeadingMatcher
+        return lambda matcher, backend: LeadingMatcher(matcher)
     return None

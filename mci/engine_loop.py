@@ -20,6 +20,7 @@ from typing import Protocol
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request
 from mci.engine_core import EngineCore
+from mci.errors import EngineBroken
 
 log = logging.getLogger("mci")
 
@@ -99,6 +100,10 @@ class EngineLoop:
             return
         try:
             outputs = self.core.step()
+        except EngineBroken as exc:  # no later step can succeed: fail everything, stop
+            log.error("engine broken: %s", exc)
+            self.dispatch(self.core.abort_all(f"engine failed: {exc}"))
+            raise
         except Exception as exc:  # a failed step must not kill the engine or hang callers
             log.exception("engine step failed; aborting in-flight requests")
             outputs = self.core.abort_all(f"internal error: {exc}")

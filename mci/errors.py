@@ -47,3 +47,8 @@ class InvalidParameter(UserError):
         if self._template is None:
             return InvalidParameter(str(self), names[self.param], self.code)
         return InvalidParameter.named(names[self.param], self._template, self.code)
+
+
+class EngineBroken(RuntimeError):
+    """The engine cannot take another step (a parallel run lost a rank or a collective timed
+    out): the loop fails what is in flight and stops, instead of retrying forever."""

@@ -63,20 +63,25 @@ class RequestFront:
             )
         params.check_vocab(self.vocab_size)
 
-    def heal(self, ids: list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
+    def heal(
+        self, ids: list[int], params: SamplingParams, asked: bool = True
+    ) -> tuple[list[int], SamplingParams]:
         """Token healing (mci/grammar/healing.py): the prompt backed off by its healed tail,
         and params whose constraint makes the output start with that text. Unchanged when
-        there is nothing to heal."""
+        there is nothing to heal. A request that cannot be healed (it has an output constraint
+        or wants logprobs) is a 400 when it `asked`, and left as it is when healing is only a
+        server default."""
+        conflict = None
         if params.constraint is not None:
+            conflict = "an output constraint"
+        elif params.logprobs is not None:
+            conflict = "logprobs (the first tokens also spell the healed prompt text)"
+        if conflict is not None and asked:
             raise InvalidParameter(
-                "token_healing cannot be combined with an output constraint", "token_healing"
+                f"token_healing cannot be combined with {conflict}", "token_healing"
             )
-        if params.logprobs is not None:
-            raise InvalidParameter(
-                "token_healing cannot be combined with logprobs (the first tokens also spell "
-                "the healed prompt text)",
-                "token_healing",
-            )
+        if conflict is not None:
+            return ids, params
         kept, text = heal_prompt(self.tokenizer, ids)
         if not text:
             return ids, params

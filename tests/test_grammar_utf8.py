@@ -77,3 +77,31 @@ def test_surrogate_bytes_are_refused_valid_utf8_is_not(backend, constraint, pref
     assert not accepts(b"\xed\xa0\x80")  # U+D800
     for char in ("é", "\ud7ff", "\ue000", "😀"):
         assert accepts(char.encode()), char
+
+
+def test_every_escape_xgrammar_prints_reads_back():
+    """xgrammar writes U+0007 as \\a and U+001B as \\e; an unknown letter escape is an error,
+    never a guess."""
+    import xgrammar as xg
+
+    for code in range(0x80):
+        printed = str(xg.Grammar.from_ebnf(f"root ::= [\\x{code:02x}-\\U0010ffff]")).strip()
+        body = printed[printed.index("[") + 1 : printed.rindex("]")]
+        assert _class_ranges(body)[0][0] == code, printed
+    with pytest.raises(ValueError, match="unknown escape"):
+        _class_ranges(r"\q")
+
+
+def test_non_ascii_literals_match(backend):
+    """A literal above U+FFFF is written as itself (a JSON \\u pair would read as two lone
+    surrogates): choices, tagged JSON and healing all match it."""
+    from mci.grammar.healing import healing_constraint
+
+    xgb, tok = backend
+    for constraint, text in (
+        (Constraint.choice(["🙂 ok", "no"]), "🙂 ok"),
+        (Constraint.tagged_json([("<🙂>", {"type": "integer"}, "</🙂>")]), "<🙂>7</🙂>"),
+        (healing_constraint("🙂 "), "🙂 hi"),
+    ):
+        matcher = xgb.matcher(xgb.compile(constraint))
+        assert all(matcher.accept(t) for t in tok.encode(text, add_special_tokens=False)), text

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-from functools import partial
 
 import jsonschema
 import pytest
@@ -86,13 +85,16 @@ def test_deferred_grammar_starts_after_its_token(checkpoint):
     tok = TextTokenizer.load(checkpoint(markup=True))
     end = tok.backend.token_to_id(END)
     cache = xgrammar_cache(tok, 2048, (1,))
-    state = cache.state(Constraint("regex", "[0-9]+"), partial(DeferredMatcher, start_token=end))
+    window = lambda matcher, backend: DeferredMatcher(matcher, backend, end, (1,))  # noqa: E731
+    state = cache.state(Constraint("regex", "[0-9]+"), window)
     cache.compile_now(Constraint("regex", "[0-9]+"))
     assert state.ready()
     m, backend = state.matcher, state.backend
     bitmask = backend.new_bitmask(1)
     free = tok.encode("anything at all", add_special_tokens=False)
-    assert all(m.accept(t) for t in free) and not m.fill_mask(bitmask, 0)
+    assert all(m.accept(t) for t in free) and m.fill_mask(bitmask, 0)
+    allowed = [t for t in range(2048) if bitmask[0, t // 32] >> (t % 32) & 1]
+    assert 1 not in allowed and len(allowed) == 2047  # anything but the end, before </think>
     assert m.accept(end) and not m.is_completed()
     assert m.fill_mask(bitmask, 0)  # now masked: digits only
     letter, digit = (
@@ -102,7 +104,7 @@ def test_deferred_grammar_starts_after_its_token(checkpoint):
     assert not m.accept(letter[0])
     assert m.accept(digit[0]) and m.is_completed()
     m.rollback(2)  # the digit and </think>
-    assert not m.fill_mask(bitmask, 0) and m.accept(letter[0])
+    assert m.accept(letter[0]) and not m.is_completed()
 
 
 def test_served_constraint_applies_after_reasoning(checkpoint):

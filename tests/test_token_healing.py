@@ -107,3 +107,25 @@ def test_generate_cli_token_healing():
 
     healed = run("--token-healing")
     assert healed.startswith(CODE) and healed[len(CODE) : len(CODE) + 1].isidentifier(), healed
+
+
+def test_server_default_heals_what_it_can(tok):
+    """`mci serve --token-healing`: a plain request is healed as if it asked; one that cannot
+    be (a constraint) is served unhealed instead of refused; echo of a token-id prompt repeats
+    the prompt as given."""
+    import openai
+    from server_helpers import LiveServer
+
+    with LiveServer(None, "--served-model-name", "m", "--token-healing") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        kw = dict(model="m", max_tokens=12, temperature=0)
+        by_default = client.completions.create(prompt=CODE, **kw).choices[0].text
+        asked = client.completions.create(prompt=CODE, extra_body={"token_healing": True}, **kw)
+        assert by_default == asked.choices[0].text
+        constrained = client.completions.create(
+            prompt=CODE, extra_body={"regex": "[a-z]{2,5}"}, **kw
+        ).choices[0]
+        assert constrained.finish_reason == "stop" and constrained.text.isalpha()
+        ids = tok.encode(CODE)
+        echoed = client.completions.create(prompt=ids, echo=True, **kw).choices[0].text
+        assert echoed == tok.decode(ids) + by_default

@@ -207,3 +207,21 @@ def test_served_tool_calls(checkpoint, markup):
             )
         state = server.wait_idle()
     assert state["free_slots"] + state["tree_tokens"] == state["num_slots"]
+
+
+def test_tool_names_follow_openais_rule():
+    from mci.errors import InvalidParameter
+    from mci.server.openai_types import Tool
+    from mci.server.tool_calls import plan_tools
+
+    def tools(*names):
+        return [Tool(type="function", function={"name": n}) for n in names]
+
+    assert plan_tools(tools("get_weather", "add-2"), "auto", JsonEnvelope()).names == (
+        "get_weather",
+        "add-2",
+    )
+    for bad in (tools("two\nlines"), tools("a b"), tools("x" * 65), tools("f", "f")):
+        with pytest.raises(InvalidParameter) as err:
+            plan_tools(bad, "required", DeepSeekV3Markup())
+        assert err.value.param == "tools"

@@ -49,6 +49,9 @@ class GrammarBackend(Protocol):
     def new_bitmask(self, rows: int) -> torch.Tensor:
         """An empty mask for `rows` rows."""
 
+    def fill_all_but(self, bitmask: torch.Tensor, row: int, tokens: tuple[int, ...]) -> None:
+        """Allow every token in row `row` except `tokens`."""
+
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Set the disallowed tokens of each logits[r], r in `rows`, to -inf (bitmask row r;
         bitmask has a row per logits row)."""

@@ -17,6 +17,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from mci.grammar.backend import GrammarBackend, Matcher
 from mci.grammar.constraint import Constraint
 
+# Wraps a request's matcher to apply its grammar to part of the output (grammar/deferred.py,
+# grammar/healing.py); gets the backend for masks of its own.
+Window = Callable[[Matcher, GrammarBackend], Matcher]
 CACHE_ENTRIES = 256  # distinct constraints kept compiled (least recently used dropped)
 
 
@@ -57,9 +60,7 @@ class GrammarCache:
         """Compile (or reuse) and wait; raises the backend's InvalidParameter."""
         return self.submit(constraint).result()
 
-    def state(
-        self, constraint: Constraint, window: Callable[[Matcher], Matcher] | None = None
-    ) -> GrammarState:
+    def state(self, constraint: Constraint, window: Window | None = None) -> GrammarState:
         """A request's state; `window` wraps its matcher to apply the grammar to part of the
         output (grammar/deferred.py, grammar/healing.py)."""
         return GrammarState(self, self.submit(constraint), window)
@@ -84,7 +85,7 @@ class GrammarState:
         self,
         cache: GrammarCache,
         compiled: Future,
-        window: Callable[[Matcher], Matcher] | None = None,
+        window: Window | None = None,
     ):
         self._cache = cache
         self._compiled = compiled
@@ -96,7 +97,7 @@ class GrammarState:
         error if compiling failed."""
         if self.matcher is None and self._compiled.done():
             matcher = self.backend.matcher(self._compiled.result())
-            self.matcher = matcher if self._window is None else self._window(matcher)
+            self.matcher = matcher if self._window is None else self._window(matcher, self.backend)
         return self.matcher is not None
 
     def wait(self, timeout_s: float) -> None:

@@ -37,3 +37,10 @@ class Constraint:
     def options(self) -> list:
         """choice: the strings; tagged_json: the [begin, schema, end] alternatives."""
         return json.loads(self.spec)
+
+
+def ebnf_string(text: str) -> str:
+    """`text` as an EBNF string literal: JSON's escapes, with non-ASCII characters written as
+    themselves (JSON would write U+1F642 as the pair \\ud83d\\ude42, which the grammar reads
+    as two lone surrogates that no valid UTF-8 output can match)."""
+    return json.dumps(text, ensure_ascii=False)

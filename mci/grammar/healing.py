@@ -15,12 +15,10 @@ text has been written.
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from mci.grammar.backend import Matcher
-from mci.grammar.constraint import Constraint
+from mci.grammar.constraint import Constraint, ebnf_string
 from mci.tokenizer import TextTokenizer
 
 MAX_HEALED_TOKENS = 8  # a longer whitespace run is left as it is
@@ -49,7 +47,7 @@ def heal_prompt(tokenizer: TextTokenizer, ids: list[int]) -> tuple[list[int], st
 
 def healing_constraint(text: str) -> Constraint:
     """Output that starts with `text` (then anything: LeadingMatcher stops looking there)."""
-    return Constraint("ebnf", f"root ::= {json.dumps(text)} [\\0-\\U0010ffff]*")
+    return Constraint("ebnf", f"root ::= {ebnf_string(text)} [\\0-\\U0010ffff]*")
 
 
 class LeadingMatcher:

@@ -20,7 +20,17 @@ import re
 SURROGATE_LO, SURROGATE_HI = 0xD800, 0xDFFF
 # a string literal or a character class, each with backslash escapes
 _LITERAL_OR_CLASS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]', re.S)
-_NAMED_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "0": "\0", "f": "\f", "v": "\v", "b": "\b"}
+_NAMED_ESCAPES = {
+    "0": "\0",
+    "a": "\a",
+    "b": "\b",
+    "t": "\t",
+    "n": "\n",
+    "v": "\v",
+    "f": "\f",
+    "r": "\r",
+    "e": "\x1b",
+}
 _HEX_ESCAPE_DIGITS = {"x": 2, "u": 4, "U": 8}
 
 
@@ -64,8 +74,13 @@ def _class_ranges(body: str) -> list[tuple[int, int]]:
             digits = _HEX_ESCAPE_DIGITS[body[i + 1]]
             items.append(int(body[i + 2 : i + 2 + digits], 16))
             i += 2 + digits
-        else:
-            items.append(ord(_NAMED_ESCAPES.get(body[i + 1], body[i + 1])))
+        elif body[i + 1] in _NAMED_ESCAPES:
+            items.append(ord(_NAMED_ESCAPES[body[i + 1]]))
+            i += 2
+        elif body[i + 1].isalnum():  # an escape this reader does not know: never guess
+            raise ValueError(f"unknown escape \\{body[i + 1]} in a character class")
+        else:  # \], \-, \\, \" ...: the character itself
+            items.append(ord(body[i + 1]))
             i += 2
     ranges = []
     k = 0

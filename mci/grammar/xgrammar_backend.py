@@ -10,7 +10,7 @@ import torch
 import xgrammar as xg
 
 from mci.errors import InvalidParameter
-from mci.grammar.constraint import Constraint
+from mci.grammar.constraint import Constraint, ebnf_string
 from mci.grammar.utf8_classes import exclude_surrogates
 from mci.tokenizer import TextTokenizer
 
@@ -53,7 +53,7 @@ def _grammar_text(constraint: Constraint) -> str:
     options = constraint.options
     if not options or not all(isinstance(o, str) and o for o in options):
         raise ValueError("choice must be a non-empty list of non-empty strings")
-    return "root ::= " + " | ".join(json.dumps(o) for o in options)
+    return "root ::= " + " | ".join(ebnf_string(o) for o in options)
 
 
 def _json_schema_text(schema: str) -> str:
@@ -65,7 +65,7 @@ def _json_schema_text(schema: str) -> str:
 
 
 def _literal(text: str) -> xg.Grammar:
-    return xg.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")  # JSON string = EBNF literal
+    return xg.Grammar.from_ebnf(f"root ::= {ebnf_string(text)}")
 
 
 class XGrammarMatcher:
@@ -136,6 +136,13 @@ class XGrammarBackend:
 
     def new_bitmask(self, rows: int) -> torch.Tensor:
         return xg.allocate_token_bitmask(rows, self.vocab_size)
+
+    def fill_all_but(self, bitmask: torch.Tensor, row: int, tokens: tuple[int, ...]) -> None:
+        bitmask[row].fill_(-1)  # 32 tokens per int32, bit set = allowed
+        for token in tokens:
+            bit = token % 32
+            word = -(2**31) if bit == 31 else 1 << bit  # the bit as a signed int32
+            bitmask[row, token // 32] &= ~word
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         xg.apply_token_bitmask_inplace(

@@ -17,6 +17,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from mci.errors import EngineBroken
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.parallel.context import ParallelContext
 
@@ -57,15 +58,26 @@ class ShardedModel:
         return self._call("forward", *args)
 
     def _call(self, name: str, *args):
+        """Any failure here is fatal (EngineBroken): once rank 0 has broadcast a call, a
+        rank that fails inside it leaves the others waiting in a collective, and the ranks
+        can never line up again."""
+        if self._closed:
+            raise EngineBroken("the parallel run is closed")
         wire = tuple(KV_CACHE if a is self._kv_cache and a is not None else a for a in args)
-        dist.broadcast_object_list([(name, wire)], src=0, group=self._parallel.group)
-        result = getattr(self._model, name)(*args)
+        try:
+            dist.broadcast_object_list([(name, wire)], src=0, group=self._parallel.group)
+            result = getattr(self._model, name)(*args)
+        except Exception as exc:
+            self._closed = True  # nothing more can be sent to the other ranks
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise EngineBroken(f"parallel run failed in {name}: {reason}") from exc
         if name == "allocate_kv_cache":
             self._kv_cache = result
         return result
 
     def close(self) -> None:
-        """Release the other ranks (they return from `follow`)."""
+        """Release the other ranks (they return from `follow`); nothing when the run is
+        already broken."""
         if not self._closed:
             self._closed = True
             dist.broadcast_object_list([(CLOSE, ())], src=0, group=self._parallel.group)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -78,21 +79,33 @@ def _admit(state: ServerState, num_samples: int) -> None:
         )
 
 
+@dataclass(frozen=True)
+class PromptIds:
+    """A request's prompts as given (`ids`, for echo) and as computed (`computed`: token
+    healing may have backed them off), and each prompt's params."""
+
+    ids: list[list[int]]
+    computed: list[list[int]]
+    params: list[SamplingParams]
+
+
 def _prompt_ids(
-    state: ServerState, prompts, params: SamplingParams, names, heal: bool = False
-) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Every prompt's ids and params (token healing, when `heal`, changes both), each checked
-    with its completion against the context length, under the endpoint's names for the fields
-    (400s before anything is queued)."""
+    state: ServerState, prompts, params: SamplingParams, names, heal: bool | None = None
+) -> PromptIds:
+    """Every prompt's ids and params, each checked with its completion against the context
+    length, under the endpoint's names for the fields (400s before anything is queued).
+    `heal`: the request's token_healing (None: the server's default, which gives way where
+    healing cannot apply)."""
+    asked = heal is not None
+    heal = heal if asked else state.config.token_healing
     with protocol.reported_as(names):
         encoded = [state.front.encode(p) for p in prompts]
-        per_prompt = [params] * len(encoded)
-        if heal:
-            healed = [state.front.heal(ids, params) for ids in encoded]
-            encoded, per_prompt = [h[0] for h in healed], [h[1] for h in healed]
-        for ids, p in zip(encoded, per_prompt, strict=True):
+        healed = [
+            state.front.heal(ids, params, asked) if heal else (ids, params) for ids in encoded
+        ]
+        for ids, p in healed:
             state.front.check(ids, p)
-    return encoded, per_prompt
+    return PromptIds(encoded, [h[0] for h in healed], [h[1] for h in healed])
 
 
 async def _check_constraints(state: ServerState, per_prompt: list[SamplingParams], names) -> None:
@@ -232,13 +245,12 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         params = protocol.completion_params(body)
         texts = protocol.completion_prompts(body)
-        heal = state.config.token_healing if body.token_healing is None else body.token_healing
-        encoded, per_prompt = _prompt_ids(state, texts, params, protocol.COMPLETION_NAMES, heal)
-        await _check_constraints(state, per_prompt, protocol.COMPLETION_NAMES)
-        prompts = list(zip(texts, encoded, strict=True))
+        got = _prompt_ids(state, texts, params, protocol.COMPLETION_NAMES, body.token_healing)
+        await _check_constraints(state, got.params, protocol.COMPLETION_NAMES)
+        prompts = list(zip(texts, got.ids, strict=True))  # as given: what echo repeats
         _admit(state, len(prompts) * params.n)
         rid = protocol.new_id("cmpl")
-        sub = Submission(state, rid, encoded, per_prompt, body.priority or 0)
+        sub = Submission(state, rid, got.computed, got.params, body.priority or 0)
         ctx = StreamContext(state, sub, rid, prompts, params, bool(body.echo), _include_usage(body))
         if body.stream:
             return streaming_response(stream_completion(ctx), ctx)
@@ -256,8 +268,8 @@ def build_app(state: ServerState) -> FastAPI:
         reasoning = state.config.reasoning_parser is not None
         params = protocol.chat_params(body, tools, reasoning, state.think_end_id)
         ids = protocol.chat_prompt_ids(state.tokenizer, body)
-        (ids,), per_prompt = _prompt_ids(state, [ids], params, protocol.CHAT_NAMES)
-        await _check_constraints(state, per_prompt, protocol.CHAT_NAMES)
+        got = _prompt_ids(state, [ids], params, protocol.CHAT_NAMES, heal=False)
+        await _check_constraints(state, got.params, protocol.CHAT_NAMES)
         _admit(state, params.n)
         rid = protocol.new_id("chatcmpl")
         sub = Submission(state, rid, [ids], params, body.priority or 0)
@@ -290,15 +302,13 @@ def build_app(state: ServerState) -> FastAPI:
         single = isinstance(body.text, str) or (
             body.input_ids is not None and isinstance(body.input_ids[0], int)
         )
-        sampling = body.sampling_params
-        heal = state.config.token_healing
-        if sampling is not None and sampling.token_healing is not None:
-            heal = sampling.token_healing
-        encoded, per_prompt = _prompt_ids(state, prompts, params, protocol.NATIVE_NAMES, heal)
-        await _check_constraints(state, per_prompt, protocol.NATIVE_NAMES)
+        heal = body.sampling_params.token_healing if body.sampling_params else None
+        got = _prompt_ids(state, prompts, params, protocol.NATIVE_NAMES, heal)
+        encoded = got.ids  # as given (prompt lengths in the responses)
+        await _check_constraints(state, got.params, protocol.NATIVE_NAMES)
         _admit(state, len(prompts) * params.n)
         rid = protocol.new_id("gen")
-        sub = Submission(state, rid, encoded, per_prompt, body.priority or 0)
+        sub = Submission(state, rid, got.computed, got.params, body.priority or 0)
         if body.stream:
             ctx = StreamContext(state, sub, rid, list(zip(prompts, encoded)), params)
             return streaming_response(stream_native(ctx), ctx)

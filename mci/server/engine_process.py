@@ -27,7 +27,7 @@ from mci.engine_loop import (
     Command,
     EngineLoop,
 )
-from mci.errors import UserError
+from mci.errors import EngineBroken, UserError
 from mci.request_front import sample_ids
 from mci.server import messages
 
@@ -115,5 +115,8 @@ def engine_main(config: EngineConfig, conn: Connection) -> None:
         if inbox.shutdown_asked:
             loop.stop("engine shut down")
             inbox.flush()
+    except EngineBroken:
+        inbox.flush()  # the in-flight requests' errors, before the process exits
+        sys.exit(1)  # the front end sees the engine die: /health turns 503
     finally:
         parts.close()

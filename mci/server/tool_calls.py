@@ -9,12 +9,16 @@ and validates; with `auto` the model may answer in text, and calls are parsed fr
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass
 
 from mci.errors import InvalidParameter
 from mci.grammar.constraint import Constraint
 from mci.server.tool_formats import DeepSeekV3Markup, Function, JsonEnvelope
+
+
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,13 @@ def plan_tools(tools, tool_choice, fmt: JsonEnvelope | DeepSeekV3Markup) -> Tool
         Function(t.function.name, t.function.parameters or {"type": "object"}) for t in tools
     ]
     names = tuple(f.name for f in functions)
+    for i, name in enumerate(names):
+        if not NAME.fullmatch(name):  # formats delimit names: a newline would break parsing
+            raise InvalidParameter(
+                f"tools[{i}].function.name must match {NAME.pattern} (OpenAI's rule)", "tools"
+            )
+    if len(set(names)) < len(names):
+        raise InvalidParameter("tools declares a function name twice", "tools")
     if tool_choice in (None, "auto"):
         return ToolPlan("auto", names, fmt, None)
     if tool_choice == "required":

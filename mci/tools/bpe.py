@@ -51,7 +51,7 @@ DEEPSEEK_MARKUP_TOKENS = [
 # call is the JSON envelope mci's `json` tool format reads (mci/server/tool_formats.py); a tool's
 # result comes back as a user turn.
 _ENVELOPE_CALLS = (
-    "{% for call in message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
     "{{ '{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' "
     "+ call['function']['arguments'] + '}' }}"
     "{% endfor %}"

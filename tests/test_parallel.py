@@ -1,0 +1,180 @@
+"""Tensor and expert parallelism over torch.distributed: 2 processes on this machine (gloo)
+give the same greedy tokens as one process, logprobs within a stated tolerance; per-rank bytes
+equal `mci plan`'s; a dead rank fails the engine fast and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mci.core.sampling_params import SamplingParams
+from mci.engine import Engine
+from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement, ParallelConfig
+from mci.errors import UserError
+from mci.models.loader import load_model
+from mci.parallel.context import ParallelContext
+from mci.plan import Hardware, make_plan
+
+PROMPTS = ["def parse(argv):", "import os\nimport", "class Stack:\n    def"]
+# |logprob(parallel) - logprob(single)| of every generated token, by compute dtype: the shards
+# sum their partial matmuls in another order than one process does
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.06}
+# an FP8 layout whose tp-2 shards are whole 128x128 blocks (the tiny preset's are not)
+FP8_ALIGNED = {"num_attention_heads": 16, "intermediate_size": 256, "moe_intermediate_size": 256}
+
+
+def _outputs(path, dtype: str, parallel: ParallelConfig):
+    config = EngineConfig(
+        model=ModelPlacement(model_path=path, dtype=dtype),
+        cache=CacheConfig(max_total_tokens=2048),
+        parallel=parallel,
+    )
+    engine = Engine(config)
+    try:
+        params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=0)
+        results = engine.generate(PROMPTS, params)
+    finally:
+        engine.shutdown()
+    outs = [r.outputs[0] for r in results]
+    return [o.output_token_ids for o in outs], [[lp for lp, _ in o.logprobs] for o in outs]
+
+
+def _assert_same(path, dtype: str, *layouts: ParallelConfig) -> None:
+    tokens, logprobs = _outputs(path, dtype, ParallelConfig())
+    for layout in layouts:
+        got_tokens, got_logprobs = _outputs(path, dtype, layout)
+        assert got_tokens == tokens, layout
+        worst = max(
+            abs(a - b)
+            for row, got in zip(logprobs, got_logprobs, strict=True)
+            for a, b in zip(row, got, strict=True)
+        )
+        assert worst <= TOLERANCE[dtype], (layout, worst)
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(checkpoint, tmp_path_factory):
+    """A random-weight checkpoint written by transformers' save_pretrained."""
+    from conftest import load_hf_reference
+
+    src = checkpoint()
+    out = tmp_path_factory.mktemp("hf-written")
+    load_hf_reference(src).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((src / name).read_bytes())
+    return out
+
+
+def test_tp2_and_ep2_match_one_process(hf_checkpoint):
+    _assert_same(
+        hf_checkpoint,
+        "float32",
+        ParallelConfig(tp_size=2),
+        ParallelConfig(ep_size=2),
+        ParallelConfig(tp_size=2, ep_size=2),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_bf16_and_fp8_layouts_match_one_process(checkpoint, fp8):
+    path = checkpoint(dtype="bfloat16", fp8=fp8, **(FP8_ALIGNED if fp8 else {}))
+    _assert_same(
+        path,
+        "bfloat16",
+        ParallelConfig(tp_size=2),
+        ParallelConfig(ep_size=2),
+        ParallelConfig(tp_size=2, ep_size=2),
+    )
+
+
+def test_fp8_shard_inside_a_block_is_refused(checkpoint):
+    path = checkpoint(dtype="bfloat16", fp8=True)  # tiny: 4 heads x 48 rows of q_b_proj
+    ctx = ParallelContext(rank=0, world_size=2, tp_size=2, ep_size=1)
+    with pytest.raises(UserError, match="inside a 128-wide FP8 block"):
+        load_model(path, "bfloat16", parallel=ctx)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_plan_equals_what_each_rank_allocates(checkpoint, fp8):
+    """`mci plan`'s per-GPU weight bytes for tp2 and for dp-attention2+ep2 (whose weights are
+    ep 2's) equal what each rank loads, and its KV bytes per token what each rank's cache
+    takes (the latent cache is whole on every tensor-parallel rank)."""
+    path = checkpoint(dtype="bfloat16", fp8=fp8, **(FP8_ALIGNED if fp8 else {}))
+    whole = load_model(path, "bfloat16")
+    plan = make_plan(whole.cfg, Hardware("2x", 2, 10**12))
+    planned = {lp.name: lp.weight_bytes_per_gpu for lp in plan.layouts}
+    for name, (tp, ep) in {"tp2": (2, 1), "dp-attention2+ep2": (1, 2)}.items():
+        for rank in range(2):
+            ctx = ParallelContext(rank=rank, world_size=2, tp_size=tp, ep_size=ep)
+            shard = load_model(path, "bfloat16", parallel=ctx)
+            assert shard.weight_bytes() == planned[name], (name, rank)
+            cache = shard.allocate_kv_cache(100, with_mtp=False)
+            assert cache.numel() * cache.element_size() == 100 * plan.kv_bytes_per_token
+
+
+def _descendants(pid: int) -> list[int]:
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def test_served_tp2_and_a_killed_rank(checkpoint):
+    """`mci serve --tp-size 2` answers the OpenAI client with one process's greedy tokens.
+    SIGKILL of the follower rank mid-request: the request fails within 5 s, /health is 503,
+    and the engine and its ranks are gone (no process left hanging)."""
+    import openai
+    from server_helpers import LiveServer
+
+    path = checkpoint()
+    kw = dict(model="m", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    with LiveServer(path, "--served-model-name", "m") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        single = client.completions.create(**kw).choices[0].text
+    with LiveServer(path, "--served-model-name", "m", "--tp-size", "2") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        assert client.completions.create(**kw).choices[0].text == single
+        engine_pid = server.state()["engine_pid"]
+        (follower,) = _descendants(engine_pid)
+        outcome = {}
+
+        def long_request():
+            r = httpx.post(
+                server.url + "/v1/completions",
+                timeout=60,
+                json={"prompt": "x", "max_tokens": 1500, "ignore_eos": True},
+            )
+            outcome["status"] = r.status_code
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        time.sleep(1.0)
+        os.kill(follower, signal.SIGKILL)
+        start = time.monotonic()
+        thread.join(10)
+        assert not thread.is_alive() and time.monotonic() - start < 5
+        assert outcome["status"] in (500, 503), outcome
+        deadline = time.monotonic() + 10
+        while httpx.get(server.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "health still green"
+            time.sleep(0.1)
+        while _descendants(server.proc.pid):
+            assert time.monotonic() < deadline, _descendants(server.proc.pid)
+            time.sleep(0.1)
