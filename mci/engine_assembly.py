@@ -49,16 +49,19 @@ class EngineParts:
     followers: tuple[multiprocessing.Process, ...] = ()
 
     def close(self) -> None:
-        """Release the other ranks of a parallel run (nothing to do for one process)."""
+        """Release the other ranks of a parallel run (nothing to do for one process); after a
+        failure, kill this node's (a stuck one would never leave on its own)."""
+        broken = isinstance(self.model, ShardedModel) and self.model.broken
         if isinstance(self.model, ShardedModel):
             try:
                 self.model.close()
             except RuntimeError as exc:  # a rank already gone: nothing to release
                 log.warning("closing the parallel run: %s", exc)
         for proc in self.followers:
-            proc.join(timeout=10)
+            proc.join(timeout=0 if broken else 10)
             if proc.is_alive():
                 proc.kill()
+                proc.join(timeout=5)
 
 
 def assemble(

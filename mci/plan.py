@@ -104,16 +104,24 @@ class Plan:
         return sum(self.weight_bytes_by_dtype.values())
 
 
+def _allocated_bytes(spec: TensorSpec) -> int:
+    """Bytes the engine allocates for a tensor: its on-disk size, except the MoE router's
+    weight, which it keeps in float32 (mci/layers/moe.py: routing is a discrete choice)."""
+    if spec.name.endswith(".mlp.gate.weight"):
+        return spec.numel * 4
+    return spec.nbytes
+
+
 def _tp_bytes(spec: TensorSpec, n: int) -> float:
     if any(key in spec.name for key in _REPLICATED_UNDER_TP) or len(spec.shape) == 1:
-        return spec.nbytes
-    return spec.nbytes / n
+        return _allocated_bytes(spec)
+    return _allocated_bytes(spec) / n
 
 
 def _dp_ep_bytes(spec: TensorSpec, n: int) -> float:
     if ".mlp.experts." in spec.name:
-        return spec.nbytes / n
-    return spec.nbytes  # replicated on every data-parallel attention rank
+        return _allocated_bytes(spec) / n
+    return _allocated_bytes(spec)  # replicated on every data-parallel attention rank
 
 
 def make_plan(

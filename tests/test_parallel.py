@@ -175,6 +175,29 @@ def test_served_tp2_and_a_killed_rank(checkpoint):
         while httpx.get(server.url + "/health").status_code != 503:
             assert time.monotonic() < deadline, "health still green"
             time.sleep(0.1)
-        while _descendants(server.proc.pid):
-            assert time.monotonic() < deadline, _descendants(server.proc.pid)
+        while Path(f"/proc/{engine_pid}").exists() or Path(f"/proc/{follower}").exists():
+            assert time.monotonic() < deadline, "the engine or its rank is still there"
+            time.sleep(0.1)
+
+
+def test_served_stuck_rank_fails_after_the_collective_timeout(checkpoint):
+    """SIGSTOP of the follower (a stuck rank looks like this from outside): with
+    --dist-timeout 2 the request fails within the timeout plus 5 s, /health is 503, and the
+    stopped rank is killed with the engine (nothing left behind)."""
+    from server_helpers import LiveServer
+
+    flags = ("--tp-size", "2", "--dist-timeout", "2")
+    with LiveServer(checkpoint(), *flags) as server:
+        engine_pid = server.state()["engine_pid"]
+        (follower,) = _descendants(engine_pid)
+        os.kill(follower, signal.SIGSTOP)
+        start = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={"prompt": "x"})
+        assert r.status_code in (500, 503) and time.monotonic() - start < 7, r.text
+        deadline = time.monotonic() + 10
+        while httpx.get(server.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "health still green"
+            time.sleep(0.1)
+        while Path(f"/proc/{engine_pid}").exists() or Path(f"/proc/{follower}").exists():
+            assert time.monotonic() < deadline, "the engine or its stopped rank is still there"
             time.sleep(0.1)

@@ -81,6 +81,7 @@ def _follower_main(config: EngineConfig, rank: int, init_addr: str) -> None:
         parallel = _join(config, rank, init_addr)
         model = _load_agreed(config, parallel)
         follow(model, parallel)
+        dist.destroy_process_group()
     except UserError as exc:
         log.error("%s", exc)
         sys.exit(2)
@@ -119,6 +120,8 @@ def load_sharded(config: EngineConfig) -> tuple[ShardedModel, list[multiprocessi
     except BaseException:
         for proc in procs:
             proc.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         raise
     log.info(
         "parallel run: %d ranks (tp %d, ep %d) over %d node(s)",

@@ -48,6 +48,7 @@ class ShardedModel:
         self._parallel = parallel
         self._kv_cache: torch.Tensor | None = None
         self._closed = False
+        self.broken = False  # a call failed: the other ranks may be dead, stuck or waiting
 
     def __getattr__(self, name: str):
         if name in CALLS:
@@ -68,7 +69,7 @@ class ShardedModel:
             dist.broadcast_object_list([(name, wire)], src=0, group=self._parallel.group)
             result = getattr(self._model, name)(*args)
         except Exception as exc:
-            self._closed = True  # nothing more can be sent to the other ranks
+            self._closed = self.broken = True  # nothing more can be sent to the other ranks
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             raise EngineBroken(f"parallel run failed in {name}: {reason}") from exc
         if name == "allocate_kv_cache":
@@ -76,11 +77,15 @@ class ShardedModel:
         return result
 
     def close(self) -> None:
-        """Release the other ranks (they return from `follow`); nothing when the run is
-        already broken."""
-        if not self._closed:
-            self._closed = True
-            dist.broadcast_object_list([(CLOSE, ())], src=0, group=self._parallel.group)
+        """Release the other ranks (they return from `follow`; nothing to send when the run is
+        already broken) and leave the process group, so this process can start another run."""
+        try:
+            if not self._closed:
+                self._closed = True
+                dist.broadcast_object_list([(CLOSE, ())], src=0, group=self._parallel.group)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def follow(model: DeepseekV3ForCausalLM, parallel: ParallelContext) -> None:

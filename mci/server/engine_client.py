@@ -35,8 +35,10 @@ class EngineClient:
     def __init__(self, config: EngineConfig, start_timeout_s: float = 600):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
+        # Not a daemon: in a parallel run the engine (rank 0) starts the other ranks itself.
+        # It never outlives us: it exits when this pipe closes (mci.server.engine_process).
         self.process = ctx.Process(
-            target=engine_main, args=(config, child), daemon=True, name="mci-engine"
+            target=engine_main, args=(config, child), daemon=False, name="mci-engine"
         )
         self.process.start()
         child.close()
@@ -127,6 +129,7 @@ class EngineClient:
             try:
                 msg = self._conn.recv()
             except (EOFError, OSError):
+                self.process.join(timeout=5)  # reap it: an exited engine is no zombie
                 self._mark_dead()
                 return
             if isinstance(msg, messages.Outputs):
