@@ -37,25 +37,28 @@ def _outputs(path, dtype: str, parallel: ParallelConfig):
     )
     engine = Engine(config)
     try:
-        params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=0)
+        params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=2)
         results = engine.generate(PROMPTS, params)
     finally:
         engine.shutdown()
-    outs = [r.outputs[0] for r in results]
-    return [o.output_token_ids for o in outs], [[lp for lp, _ in o.logprobs] for o in outs]
+    return [r.outputs[0] for r in results]
 
 
 def _assert_same(path, dtype: str, *layouts: ParallelConfig) -> None:
-    tokens, logprobs = _outputs(path, dtype, ParallelConfig())
+    """Greedy tokens equal to one process's, and each token's logprob within TOLERANCE. The
+    one exception is a near-tie: where one process's two best tokens are within 2 x TOLERANCE
+    of each other (each may move by TOLERANCE), the other summation order may pick either
+    (bf16 logits even tie exactly at times); outputs are compared up to there."""
+    reference = _outputs(path, dtype, ParallelConfig())
     for layout in layouts:
-        got_tokens, got_logprobs = _outputs(path, dtype, layout)
-        assert got_tokens == tokens, layout
-        worst = max(
-            abs(a - b)
-            for row, got in zip(logprobs, got_logprobs, strict=True)
-            for a, b in zip(row, got, strict=True)
-        )
-        assert worst <= TOLERANCE[dtype], (layout, worst)
+        for want, got in zip(reference, _outputs(path, dtype, layout), strict=True):
+            a, b = want.output_token_ids, got.output_token_ids
+            same = next((i for i in range(len(a)) if a[i] != b[i]), len(a))
+            if same < len(a):
+                (_, first), (_, second) = want.logprobs[same][1][:2]
+                assert first - second <= 2 * TOLERANCE[dtype], (layout, same, a, b)
+            worst = max(abs(x[0] - y[0]) for x, y in zip(want.logprobs[:same], got.logprobs[:same]))
+            assert worst <= TOLERANCE[dtype], (layout, worst)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,6 @@ def test_tp2_and_ep2_match_one_process(hf_checkpoint):
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_bf16_and_fp8_layouts_match_one_process(checkpoint, fp8):
     path = checkpoint(dtype="bfloat16", fp8=fp8, **(FP8_ALIGNED if fp8 else {}))
@@ -137,7 +139,8 @@ def _descendants(pid: int) -> list[int]:
 
 
 def test_served_tp2_and_a_killed_rank(checkpoint):
-    """`mci serve --tp-size 2` answers the OpenAI client with one process's greedy tokens.
+    """`mci serve --tp-size 2` (and --ep-size 2) answers the OpenAI client with one process's
+    greedy tokens.
     SIGKILL of the follower rank mid-request: the request fails within 5 s, /health is 503,
     and the engine and its ranks are gone (no process left hanging)."""
     import openai
@@ -148,6 +151,9 @@ def test_served_tp2_and_a_killed_rank(checkpoint):
     with LiveServer(path, "--served-model-name", "m") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         single = client.completions.create(**kw).choices[0].text
+    with LiveServer(path, "--served-model-name", "m", "--ep-size", "2") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        assert client.completions.create(**kw).choices[0].text == single
     with LiveServer(path, "--served-model-name", "m", "--tp-size", "2") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         assert client.completions.create(**kw).choices[0].text == single
