@@ -77,6 +77,10 @@ class EngineCore:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         return self.scheduler.abort_request(request_id)
 
+    def idle(self) -> None:
+        """Called while there is no work (a parallel run keeps its ranks' collectives alive)."""
+        self.runner.model.keepalive()
+
     def abort_all(self, error: str) -> list[RequestOutput]:
         return self.scheduler.abort_all(error)
 

@@ -96,7 +96,10 @@ class EngineLoop:
         for one), then step once if there is work and the loop is not stopping."""
         for command in inbox.take(wait and not self.core.has_work):
             self.apply(command)
-        if not self.core.has_work or (should_stop is not None and should_stop()):
+        if should_stop is not None and should_stop():
+            return
+        if not self.core.has_work:
+            self.core.idle()
             return
         try:
             outputs = self.core.step()

@@ -187,13 +187,17 @@ def test_served_tp2_and_a_killed_rank(checkpoint):
 
 
 def test_served_stuck_rank_fails_after_the_collective_timeout(checkpoint):
-    """SIGSTOP of the follower (a stuck rank looks like this from outside): with
-    --dist-timeout 2 the request fails within the timeout plus 5 s, /health is 503, and the
-    stopped rank is killed with the engine (nothing left behind)."""
+    """An idle run outlives --dist-timeout (rank 0 keeps its followers' collectives alive).
+    SIGSTOP of the follower (a stuck rank looks like this from outside): with --dist-timeout
+    2 the request fails within the timeout plus 5 s, /health is 503, and the stopped rank is
+    killed with the engine (nothing left behind)."""
     from server_helpers import LiveServer
 
     flags = ("--tp-size", "2", "--dist-timeout", "2")
     with LiveServer(checkpoint(), *flags) as server:
+        time.sleep(3)  # idle for longer than the timeout
+        ok = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
         engine_pid = server.state()["engine_pid"]
         (follower,) = _descendants(engine_pid)
         os.kill(follower, signal.SIGSTOP)

@@ -123,6 +123,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         shape = (rows, num_slots, self.cfg.kv_latent_dim)
         return torch.zeros(shape, dtype=self.dtype, device=device)
 
+    def keepalive(self) -> None:
+        """Nothing for one process (a parallel run's handle pings its other ranks)."""
+
     def copy_cache_slot(self, kv_cache: torch.Tensor, row: int, dst: int, src: int) -> None:
         """Copy slot `src`'s latent to slot `dst` in cache row `row` (the engine's only cache
         write outside a forward: a model method, so a parallel run replicates it on every

@@ -130,7 +130,7 @@ def load_sharded(config: EngineConfig) -> tuple[ShardedModel, list[multiprocessi
         par.ep_size,
         par.nnodes,
     )
-    return ShardedModel(model, parallel), procs
+    return ShardedModel(model, parallel, par.dist_timeout), procs
 
 
 def run_follower_node(config: EngineConfig) -> int:

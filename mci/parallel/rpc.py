@@ -13,6 +13,7 @@ happens inside one (a forward, or `copy_cache_slot`).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ CALLS = frozenset(
         "pack_for_cpu",
         "set_batch_invariant",
         "copy_cache_slot",
+        "keepalive",
     }
 )
 KV_CACHE = "<this rank's kv cache>"
@@ -43,12 +45,20 @@ class ShardedModel:
     """Rank 0's handle on a model split across the run's ranks; attributes other than the
     calls (cfg, dtype, mtp, batch_invariant, ...) are rank 0's shard's."""
 
-    def __init__(self, model: DeepseekV3ForCausalLM, parallel: ParallelContext):
+    def __init__(self, model: DeepseekV3ForCausalLM, parallel: ParallelContext, timeout_s: float):
         self._model = model
+        self._keepalive_s = timeout_s / 3
         self._parallel = parallel
         self._kv_cache: torch.Tensor | None = None
         self._closed = False
         self.broken = False  # a call failed: the other ranks may be dead, stuck or waiting
+        self._last_call = time.monotonic()
+
+    def keepalive(self) -> None:
+        """Called while the engine idles: the other ranks wait for the next call inside a
+        collective, which fails after --dist-timeout; a call every third of it keeps them."""
+        if time.monotonic() - self._last_call > self._keepalive_s:
+            self._call("keepalive")
 
     def __getattr__(self, name: str):
         if name in CALLS:
@@ -74,6 +84,7 @@ class ShardedModel:
             raise EngineBroken(f"parallel run failed in {name}: {reason}") from exc
         if name == "allocate_kv_cache":
             self._kv_cache = result
+        self._last_call = time.monotonic()
         return result
 
     def close(self) -> None:

@@ -17,7 +17,6 @@ from mci.errors import InvalidParameter
 from mci.grammar.constraint import Constraint
 from mci.server.tool_formats import DeepSeekV3Markup, Function, JsonEnvelope
 
-
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
