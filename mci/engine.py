@@ -248,6 +248,10 @@ class Engine:
         the thread that drives the engine)."""
         return self._on_loop_thread(self.core.stats)
 
+    def state(self) -> dict:
+        """Stats plus a live integrity check, taken between steps."""
+        return self._on_loop_thread(self.core.state)
+
     def check_integrity_now(self) -> None:
         """Assert slot accounting between steps, requests in flight included."""
         self._on_loop_thread(self.core.check_integrity)

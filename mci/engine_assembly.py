@@ -10,6 +10,7 @@ import multiprocessing
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from mci.cache.kv_manager import KVCacheManager
 from mci.cache.radix_cache import RadixCache
@@ -22,6 +23,7 @@ from mci.errors import UserError
 from mci.grammar.cache import xgrammar_cache
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.loader import load_model
+from mci.parallel.dp_engine import DataParallelCore
 from mci.parallel.launch import load_sharded
 from mci.parallel.rpc import ShardedModel
 from mci.request_front import RequestFront
@@ -44,19 +46,21 @@ class EngineParts:
 
     model: DeepseekV3ForCausalLM | ShardedModel
     tokenizer: TextTokenizer
-    core: EngineCore
+    core: EngineCore | DataParallelCore
     front: RequestFront
     followers: tuple[multiprocessing.Process, ...] = ()
 
     def close(self) -> None:
         """Release the other ranks of a parallel run (nothing to do for one process); after a
         failure, kill this node's (a stuck one would never leave on its own)."""
-        broken = isinstance(self.model, ShardedModel) and self.model.broken
-        if isinstance(self.model, ShardedModel):
-            try:
-                self.model.close()
-            except RuntimeError as exc:  # a rank already gone: nothing to release
-                log.warning("closing the parallel run: %s", exc)
+        driver = self.core if isinstance(self.core, DataParallelCore) else self.model
+        if not isinstance(driver, (ShardedModel, DataParallelCore)):
+            return
+        broken = driver.broken
+        try:
+            driver.close()
+        except RuntimeError as exc:  # a rank already gone: nothing to release
+            log.warning("closing the parallel run: %s", exc)
         for proc in self.followers:
             proc.join(timeout=0 if broken else 10)
             if proc.is_alive():
@@ -71,9 +75,9 @@ def assemble(
 ) -> EngineParts:
     """Load what is not passed in (tests share one loaded model between engines), then build."""
     placement = config.model
-    followers = []
+    followers, parallel = [], None
     if model is None and config.parallel.world_size > 1:
-        model, followers = load_sharded(config)
+        model, parallel, followers = load_sharded(config)
     model = model or load_model(placement.model_path, placement.dtype, placement.device)
     tokenizer = tokenizer or TextTokenizer.load(placement.model_path)
     log.info(
@@ -83,9 +87,24 @@ def assemble(
         model.weight_bytes() / 1e6,
     )
     cfg = model.cfg
-    core = build_engine_core(config, model, tokenizer)
+    try:
+        core = build_engine_core(config, model, tokenizer)
+    except BaseException:
+        _abandon_run(followers)
+        raise
+    if parallel is not None and parallel.dp_attention:
+        core = DataParallelCore(core, model, parallel, config.parallel.dist_timeout)
     front = RequestFront(tokenizer, cfg.vocab_size, cfg.max_position_embeddings, core.grammar)
     return EngineParts(model, tokenizer, core, front, tuple(followers))
+
+
+def _abandon_run(followers: list[multiprocessing.Process]) -> None:
+    """A parallel run that failed while its engine was being built: stop its ranks."""
+    for proc in followers:
+        proc.kill()
+        proc.join(timeout=5)
+    if followers and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def build_engine_core(

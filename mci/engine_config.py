@@ -179,6 +179,16 @@ class ParallelConfig:
     ep_size: int = _opt(
         1, "expert-parallel ranks (routed experts split by expert)", aliases=("--ep",)
     )
+    enable_dp_attention: bool = _opt(
+        False,
+        "data-parallel attention: each rank runs its own requests (own KV cache) through whole "
+        "attention and dense layers; routed experts split over the ranks (needs --ep-size N)",
+    )
+    moe_dispatch: str = _opt(
+        "all_to_all",
+        "with --enable-dp-attention, how tokens reach their experts' ranks",
+        ["all_to_all", "all_gather"],
+    )
     nnodes: int = _opt(1, "machines the ranks span")
     node_rank: int = _opt(0, "this machine's index; node 0 serves, the others only compute")
     dist_init_addr: str | None = _opt(
@@ -203,6 +213,11 @@ class ParallelConfig:
             raise UserError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's)")
         if self.dist_timeout <= 0:
             raise UserError("--dist-timeout must be > 0")
+        if self.enable_dp_attention and (self.tp_size != 1 or self.ep_size < 2):
+            raise UserError(
+                "--enable-dp-attention needs --ep-size N (N >= 2) and --tp-size 1: attention "
+                "is data-parallel, the routed experts are split by expert"
+            )
 
     @property
     def world_size(self) -> int:
@@ -255,6 +270,13 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     check_integrity: bool = False  # verify slot accounting every step (tests)
+
+    def __post_init__(self):
+        if self.speculative.enabled and self.parallel.enable_dp_attention:
+            raise UserError(
+                "--speculative-algorithm with --enable-dp-attention is not supported: drafts "
+                "would add forwards on some ranks only, and the ranks step together"
+            )
 
 
 SECTIONS = {

@@ -4,6 +4,7 @@ equal `mci plan`'s; a dead rank fails the engine fast and leaves nothing behind.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -74,26 +75,47 @@ def hf_checkpoint(checkpoint, tmp_path_factory):
     return out
 
 
-def test_tp2_and_ep2_match_one_process(hf_checkpoint):
-    _assert_same(
-        hf_checkpoint,
-        "float32",
-        ParallelConfig(tp_size=2),
-        ParallelConfig(ep_size=2),
-        ParallelConfig(tp_size=2, ep_size=2),
+LAYOUTS = (
+    ParallelConfig(tp_size=2),
+    ParallelConfig(ep_size=2),
+    ParallelConfig(tp_size=2, ep_size=2),
+    ParallelConfig(ep_size=2, enable_dp_attention=True),  # all-to-all dispatch
+    ParallelConfig(ep_size=2, enable_dp_attention=True, moe_dispatch="all_gather"),
+)
+
+
+def test_every_layout_matches_one_process(hf_checkpoint):
+    _assert_same(hf_checkpoint, "float32", *LAYOUTS)
+
+
+def test_dp_attention_pools_the_ranks_kv_and_refuses_speculation(checkpoint):
+    """Each rank sizes its own KV pool: the run holds the sum. Drafting would add forwards on
+    some ranks only: refused."""
+    from mci.engine_config import SpeculativeConfig
+
+    layout = ParallelConfig(ep_size=2, enable_dp_attention=True)
+    config = EngineConfig(
+        model=ModelPlacement(model_path=checkpoint(), dtype="float32"),
+        cache=CacheConfig(max_total_tokens=1000),
+        parallel=layout,
     )
+    engine = Engine(config)
+    try:
+        engine.generate(PROMPTS * 2, SamplingParams(max_new_tokens=4))
+        state = engine.state()
+        assert state["num_slots"] == 2000 and state["integrity_ok"]
+        engine.check_idle_integrity()
+    finally:
+        engine.shutdown()
+    spec = SpeculativeConfig(speculative_algorithm="ngram")
+    with pytest.raises(UserError, match="dp-attention"):
+        dataclasses.replace(config, speculative=spec)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_bf16_and_fp8_layouts_match_one_process(checkpoint, fp8):
     path = checkpoint(dtype="bfloat16", fp8=fp8, **(FP8_ALIGNED if fp8 else {}))
-    _assert_same(
-        path,
-        "bfloat16",
-        ParallelConfig(tp_size=2),
-        ParallelConfig(ep_size=2),
-        ParallelConfig(tp_size=2, ep_size=2),
-    )
+    _assert_same(path, "bfloat16", *LAYOUTS)
 
 
 def test_fp8_shard_inside_a_block_is_refused(checkpoint):
@@ -151,9 +173,13 @@ def test_served_tp2_and_a_killed_rank(checkpoint):
     with LiveServer(path, "--served-model-name", "m") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         single = client.completions.create(**kw).choices[0].text
-    with LiveServer(path, "--served-model-name", "m", "--ep-size", "2") as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        assert client.completions.create(**kw).choices[0].text == single
+    for flags in (("--ep-size", "2"), ("--ep-size", "2", "--enable-dp-attention")):
+        with LiveServer(path, "--served-model-name", "m", *flags) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            both = client.completions.create(**{**kw, "prompt": [PROMPTS[0]] * 4}).choices
+            assert [c.text for c in both] == [single] * 4, flags  # spread over both ranks
+            state = server.wait_idle()
+            assert state["free_slots"] + state["tree_tokens"] == state["num_slots"]
     with LiveServer(path, "--served-model-name", "m", "--tp-size", "2") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         assert client.completions.create(**kw).choices[0].text == single

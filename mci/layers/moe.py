@@ -26,6 +26,7 @@ from mci.layers.linear import (
 )
 from mci.layers.mlp import GatedMLP
 from mci.parallel.context import ParallelContext
+from mci.parallel.dispatch import dispatch
 
 
 class TopKRouter(nn.Module):
@@ -209,12 +210,23 @@ class MoE(nn.Module):
                 cfg.hidden_size, inter, dtype, fp8_block, shards=parallel.tp_size
             )
 
+    def idle(self) -> None:
+        """Take part in the token exchange with no tokens (data-parallel attention: a rank
+        without work this step; the others' collectives need it)."""
+        hidden, k = self.gate.weight.shape[1], self.gate.top_k
+        x = torch.empty(0, hidden, dtype=self.dtype)
+        weights, ids = torch.empty(0, k), torch.empty(0, k, dtype=torch.long)
+        dispatch(self.experts, x, weights, ids, self.parallel)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One all-reduce in a parallel run: of routed + shared when both are partial sums
         (tensor parallelism), of the routed part alone when the shared experts are whole on
         every rank (expert parallelism without tensor parallelism)."""
         weights, ids = self.gate(x)
         x = x.to(self.dtype)
+        if self.parallel.dp_attention:  # this rank's own tokens; shared experts whole here
+            out = dispatch(self.experts, x, weights, ids, self.parallel)
+            return out if self.shared_experts is None else out + self.shared_experts(x)
         out = self.experts(x, weights, ids)
         shared = None if self.shared_experts is None else self.shared_experts(x)
         if self.parallel.world_size == 1:

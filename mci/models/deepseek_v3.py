@@ -18,7 +18,7 @@ from mci.layers.attention import ATTENTION_KEY_MULTIPLE, MultiHeadLatentAttentio
 from mci.layers.attention_metadata import AttentionMetadata
 from mci.layers.embedding import VocabEmbedding, VocabHead
 from mci.layers.linear import Linear
-from mci.layers.moe import RoutedExperts, TopKRouter
+from mci.layers.moe import MoE, RoutedExperts, TopKRouter
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import RotaryEmbedding
 from mci.models.decoder_layer import DecoderLayer
@@ -122,6 +122,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         rows = self.num_cache_layers if with_mtp else self.cfg.num_hidden_layers
         shape = (rows, num_slots, self.cfg.kv_latent_dim)
         return torch.zeros(shape, dtype=self.dtype, device=device)
+
+    def idle_forward(self) -> None:
+        """A step with no tokens under data-parallel attention: every MoE layer takes part in
+        its token exchange, as a rank with tokens does (mci/parallel/dispatch.py)."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.idle()
 
     def keepalive(self) -> None:
         """Nothing for one process (a parallel run's handle pings its other ranks)."""

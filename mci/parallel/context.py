@@ -7,10 +7,14 @@ world, gloo on CPUs, NCCL on GPUs):
   experts, the vocabulary of embeddings and heads split; the latent KV cache replicated;
 * expert parallelism over ep_size ranks (1 or W): routed experts split by expert. With
   ep_size 1 and tp_size W the routed experts are split like dense MLPs instead (each expert's
-  intermediate dimension), as SGLang's TP MoE does.
+  intermediate dimension), as SGLang's TP MoE does;
+* data-parallel attention (`dp_attention`, with ep_size W and tp_size 1): every rank runs its
+  own requests through whole attention and dense layers, over its own KV cache, and the MoE
+  layers exchange tokens with the ranks holding their experts (mci/parallel/dispatch.py).
 
-Every rank sees every token of a step, so a sublayer whose weights are split produces a partial
-sum, and one all-reduce per attention and per feed-forward completes it. Sums run in float32
+Without data-parallel attention every rank sees every token of a step, so a sublayer whose
+weights are split produces a partial sum, and one all-reduce per attention and per
+feed-forward completes it. Sums run in float32
 (the residual stream's dtype): partial outputs are not rounded to bf16 before they are added.
 `ParallelContext.single()` is a run of one: every collective is the identity.
 """
@@ -31,6 +35,8 @@ class ParallelContext:
     tp_size: int
     ep_size: int
     group: object = None  # the torch.distributed process group (None: a run of one)
+    dp_attention: bool = False
+    moe_dispatch: str = "all_to_all"  # under dp_attention: all_to_all | all_gather
 
     @classmethod
     def single(cls) -> ParallelContext:

@@ -28,7 +28,9 @@ from mci.errors import UserError
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.loader import load_model
 from mci.parallel.context import ParallelContext, init_process_group
+from mci.parallel.dp_engine import follow_rounds
 from mci.parallel.rpc import ShardedModel, follow
+from mci.tokenizer import TextTokenizer
 
 log = logging.getLogger("mci")
 
@@ -52,7 +54,15 @@ def _join(config: EngineConfig, rank: int, init_addr: str) -> ParallelContext:
     group = init_process_group(
         rank, par.world_size, init_addr, par.dist_timeout, config.model.device
     )
-    return ParallelContext(rank, par.world_size, par.tp_size, par.ep_size, group)
+    return ParallelContext(
+        rank,
+        par.world_size,
+        par.tp_size,
+        par.ep_size,
+        group,
+        par.enable_dp_attention,
+        par.moe_dispatch,
+    )
 
 
 def _load_agreed(config: EngineConfig, parallel: ParallelContext) -> DeepseekV3ForCausalLM:
@@ -80,7 +90,13 @@ def _follower_main(config: EngineConfig, rank: int, init_addr: str) -> None:
     try:
         parallel = _join(config, rank, init_addr)
         model = _load_agreed(config, parallel)
-        follow(model, parallel)
+        if parallel.dp_attention:  # its own scheduler and KV cache, stepped by rank 0
+            from mci.engine_assembly import build_engine_core
+
+            tokenizer = TextTokenizer.load(config.model.model_path)
+            follow_rounds(build_engine_core(config, model, tokenizer), model, parallel)
+        else:
+            follow(model, parallel)
         dist.destroy_process_group()
     except UserError as exc:
         log.error("%s", exc)
@@ -109,8 +125,12 @@ def start_followers(config: EngineConfig, init_addr: str) -> list[multiprocessin
     return procs
 
 
-def load_sharded(config: EngineConfig) -> tuple[ShardedModel, list[multiprocessing.Process]]:
-    """Rank 0 (node 0): start this node's followers, join the run, load rank 0's shard."""
+def load_sharded(
+    config: EngineConfig,
+) -> tuple[ShardedModel | DeepseekV3ForCausalLM, ParallelContext, list[multiprocessing.Process]]:
+    """Rank 0 (node 0): start this node's followers, join the run, load rank 0's shard. The
+    model is a ShardedModel that drives the followers' shards, or under data-parallel
+    attention rank 0's own model (a DataParallelCore drives the followers)."""
     par = config.parallel
     init_addr = par.dist_init_addr or _free_local_addr()
     procs = start_followers(config, init_addr)
@@ -130,7 +150,9 @@ def load_sharded(config: EngineConfig) -> tuple[ShardedModel, list[multiprocessi
         par.ep_size,
         par.nnodes,
     )
-    return ShardedModel(model, parallel, par.dist_timeout), procs
+    if parallel.dp_attention:
+        return model, parallel, procs
+    return ShardedModel(model, parallel, par.dist_timeout), parallel, procs
 
 
 def run_follower_node(config: EngineConfig) -> int:

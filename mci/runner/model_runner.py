@@ -39,6 +39,7 @@ class ModelRunner:
         self.eos_ids = eos_ids
         self.speculator = speculator
         self.device = model.lm_head.weight.device
+        self.forwards = 0  # main-model forwards run (data-parallel attention pairs them up)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SampleResult:
@@ -66,6 +67,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(chunks, self.device, self.model.attention_key_multiple)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta, self.kv_cache)
+        self.forwards += 1
         rows = score_rows + sample_rows
         if not rows and self.speculator is None:
             return SampleResult([], [])
