@@ -9,30 +9,17 @@ import logging
 import multiprocessing
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
-from mci.cache.kv_manager import KVCacheManager
-from mci.cache.radix_cache import RadixCache
-from mci.cache.sizing import kv_pool_tokens
-from mci.cache.slot_pool import SlotPool
-from mci.cpu_allocator import keep_freed_memory
+from mci.core_builder import build_engine_core
 from mci.engine_config import EngineConfig
 from mci.engine_core import EngineCore
-from mci.errors import UserError
-from mci.grammar.cache import xgrammar_cache
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.loader import load_model
 from mci.parallel.dp_engine import DataParallelCore
 from mci.parallel.launch import load_sharded
 from mci.parallel.rpc import ShardedModel
 from mci.request_front import RequestFront
-from mci.runner.model_runner import ModelRunner
-from mci.scheduler.output_processor import OutputProcessor
-from mci.scheduler.scheduler import Scheduler
-from mci.spec.mtp import MTPDrafter
-from mci.spec.ngram import NgramDrafter
-from mci.spec.speculator import Speculator
 from mci.tokenizer import TextTokenizer
 
 log = logging.getLogger("mci")
@@ -105,72 +92,3 @@ def _abandon_run(followers: list[multiprocessing.Process]) -> None:
         proc.join(timeout=5)
     if followers and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def build_engine_core(
-    config: EngineConfig, model: DeepseekV3ForCausalLM, tokenizer: TextTokenizer
-) -> EngineCore:
-    """Size the KV pool and assemble pool, radix cache, runner and scheduler for `model`.
-
-    The pool holds the main layers' latents, and the MTP module's when it drafts
-    (`--speculative-algorithm mtp`); otherwise nothing runs the module and its row would be
-    memory no token uses.
-    """
-    cfg = model.cfg
-    eos_ids = tuple(cfg.eos_token_ids)
-    spec = config.speculative
-    with_mtp = spec.speculative_algorithm == "mtp"
-    if with_mtp and not len(model.mtp):
-        raise UserError(
-            "--speculative-algorithm mtp: the checkpoint has no MTP module "
-            "(num_nextn_predict_layers is 0 or its weights are missing); use ngram"
-        )
-    per_token = cfg.kv_bytes_per_token(model.dtype.itemsize, include_mtp=with_mtp)
-    cap = config.scheduler.max_running_requests * cfg.max_position_embeddings
-    device = model.lm_head.weight.device  # where the model is, whatever the config said
-    num_slots = kv_pool_tokens(config.cache, per_token, device, cap)
-    pool = SlotPool(num_slots)
-    radix = None if config.cache.disable_radix_cache else RadixCache(pool)
-    log.info(
-        "%d tokens of KV (%.1f MB), radix cache %s",
-        num_slots,
-        num_slots * per_token / 1e6,
-        "off" if radix is None else "on",
-    )
-    # MTP latents need a matched prefix's last position computed again (see mci/spec/mtp.py)
-    kv = KVCacheManager(pool, radix, match_margin=1 if with_mtp else 0)
-    outputs = OutputProcessor(tokenizer, eos_ids, config.scheduler.enable_jump_forward)
-    scheduler = Scheduler(config.scheduler, kv, outputs)
-    # Chained MTP drafts write latents of unverified positions: to scratch slots after the
-    # pool's, a row of num_steps per request that can share a step (see mci/spec/mtp.py).
-    scratch_cols = spec.num_steps if with_mtp else 0
-    num_scratch = config.scheduler.max_running_requests * scratch_cols
-    kv_cache = model.allocate_kv_cache(num_slots + num_scratch, device, with_mtp)
-    if device.type == "cpu":
-        log.info("packed %d linear layers for oneDNN", model.pack_for_cpu())
-        log.info("malloc keeps freed memory: %s", keep_freed_memory())
-    if config.model.deterministic or model.batch_invariant:  # a shared model may have it on
-        try:
-            model.set_batch_invariant(config.model.deterministic)
-        except ValueError as exc:
-            raise UserError(f"--deterministic: {exc}") from None
-        log.info(
-            "deterministic (batch-invariant) inference %s", "on" if model.batch_invariant else "off"
-        )
-    speculator = None
-    if spec.enabled:
-        if with_mtp:
-            scratch = torch.arange(num_slots, num_slots + num_scratch, device=device)
-            scratch = scratch.view(config.scheduler.max_running_requests, scratch_cols)
-            drafter = MTPDrafter(model, kv_cache, scratch)
-        else:
-            drafter = NgramDrafter(
-                spec.speculative_ngram_min_window, spec.speculative_ngram_max_window
-            )
-        speculator = Speculator(spec, drafter)
-        log.info(
-            "speculative decoding: %s, %d draft tokens", spec.speculative_algorithm, spec.num_steps
-        )
-    runner = ModelRunner(model, kv_cache, eos_ids, speculator)
-    grammar = xgrammar_cache(tokenizer, cfg.vocab_size, eos_ids)
-    return EngineCore(scheduler, runner, config.check_integrity, grammar)

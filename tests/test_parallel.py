@@ -237,3 +237,59 @@ def test_served_stuck_rank_fails_after_the_collective_timeout(checkpoint):
         while Path(f"/proc/{engine_pid}").exists() or Path(f"/proc/{follower}").exists():
             assert time.monotonic() < deadline, "the engine or its stopped rank is still there"
             time.sleep(0.1)
+
+
+def test_mtp_speculation_under_tp2_is_lossless(checkpoint):
+    """MTP drafting on a TP-2 run (the module sharded like a layer, its cache copy broadcast):
+    greedy outputs identical to one process without speculation."""
+    from mci.engine_config import SpeculativeConfig
+
+    path = checkpoint()
+    plain = _outputs(path, "float32", ParallelConfig())
+    spec = SpeculativeConfig(speculative_algorithm="mtp", speculative_num_steps=2)
+    config = EngineConfig(
+        model=ModelPlacement(model_path=path, dtype="float32"),
+        cache=CacheConfig(max_total_tokens=2048),
+        speculative=spec,
+        parallel=ParallelConfig(tp_size=2),
+    )
+    engine = Engine(config)
+    try:
+        params = SamplingParams(max_new_tokens=12, temperature=0)
+        got = engine.generate(PROMPTS, params)
+        drafted = engine.stats()["counters"].get("spec_decode_num_draft_tokens", 0)
+    finally:
+        engine.shutdown()
+    assert [r.outputs[0].output_token_ids for r in got] == [o.output_token_ids for o in plain]
+    assert drafted > 0
+
+
+def test_two_nodes_on_one_machine(checkpoint):
+    """--nnodes 2: node 0 serves with rank 0, node 1 (`mci serve --node-rank 1`) runs rank 1
+    and serves nothing; they meet at --dist-init-addr. Node 1 exits when node 0 shuts down."""
+    import subprocess
+    import sys
+
+    import openai
+    from server_helpers import LiveServer, free_port
+
+    path = checkpoint()
+    addr = f"127.0.0.1:{free_port()}"
+    common = ("--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr)
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "mci", "serve", "--model-path", str(path), "--dtype", "float32"]
+        + [*common, "--node-rank", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        kw = dict(model="m", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        with LiveServer(path, "--served-model-name", "m", *common, "--node-rank", "0") as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+            text = client.completions.create(**kw).choices[0].text
+        assert node1.wait(timeout=30) == 0
+    finally:
+        node1.kill()
+    with LiveServer(path, "--served-model-name", "m") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        assert client.completions.create(**kw).choices[0].text == text

@@ -23,6 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from mci.core_builder import build_engine_core
 from mci.engine_config import EngineConfig, ParallelConfig
 from mci.errors import UserError
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -91,8 +92,6 @@ def _follower_main(config: EngineConfig, rank: int, init_addr: str) -> None:
         parallel = _join(config, rank, init_addr)
         model = _load_agreed(config, parallel)
         if parallel.dp_attention:  # its own scheduler and KV cache, stepped by rank 0
-            from mci.engine_assembly import build_engine_core
-
             tokenizer = TextTokenizer.load(config.model.model_path)
             follow_rounds(build_engine_core(config, model, tokenizer), model, parallel)
         else:
