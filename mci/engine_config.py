@@ -242,6 +242,9 @@ class ServerConfig:
     drain_timeout: float = _opt(30.0, "seconds to let requests finish after SIGTERM")
     max_request_bytes: int = _opt(4 * 2**20, "largest request body accepted (413 beyond)")
     health_generate_timeout: float = _opt(20.0, "seconds /health_generate waits for a token")
+    max_engine_restarts: int = _opt(
+        5, "restarts of a crashed engine within 10 minutes before it stays down (0: none)"
+    )
     reasoning_parser: str | None = _opt(
         None,
         "chat: report the text before </think> as reasoning_content (DeepSeek-R1 style)",

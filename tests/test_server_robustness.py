@@ -186,7 +186,10 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(checkpoint):
 
 
 def test_dead_engine_fails_requests_and_health(checkpoint):
-    with LiveServer(checkpoint(), "--max-total-tokens", "8192") as s:
+    """Without restarts (--max-engine-restarts 0) a dead engine stays down: requests in
+    flight fail at once, /health is 503, new requests get 503."""
+    flags = ("--max-total-tokens", "8192", "--max-engine-restarts", "0")
+    with LiveServer(checkpoint(), *flags) as s:
         engine_pid = s.state()["engine_pid"]
         outcome = {}
 

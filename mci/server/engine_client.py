@@ -1,8 +1,19 @@
-"""The front end's handle on the engine process: submit, abort, receive, health.
+"""The front end's handle on the engine process: submit, abort, receive, health, restarts.
 
 A reader thread receives the engine's messages and hands each output to its request's
-asyncio queue (thread-safe). If the engine process dies, every request in flight gets an
-error output at once and `alive` turns False, so `/health` fails and nothing hangs.
+asyncio queue (thread-safe).
+
+If the engine process dies (a crash, an out-of-memory kill, a broken parallel run) the client
+restarts it, with backoff, up to `max_restarts` times in `RESTART_WINDOW_S`:
+
+* a request none of whose samples has received any output yet is kept and sent again to the
+  new engine: its client never notices (beyond the delay);
+* a request that has streamed something fails at once with a clear error (its text so far
+  cannot be taken back, and a fresh start would repeat it);
+* `alive` is False while the engine reloads (so /health is 503 only then); new requests are
+  refused with 503 meanwhile.
+
+Past the restart budget the engine stays down: every request fails, /health stays 503.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ import logging
 import multiprocessing
 import threading
 import time
+from collections import deque
 
 from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
@@ -24,41 +36,73 @@ from mci.server.engine_process import engine_main
 
 log = logging.getLogger("mci")
 
+RESTART_WINDOW_S = 600.0  # restarts counted against the budget over this long
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # before the 1st, 2nd, ... restart in the window
+
 
 class EngineDied(RuntimeError):
     """The engine process is gone."""
 
 
 class EngineClient:
-    """Starts the engine process and multiplexes requests over its pipe."""
+    """Starts (and restarts) the engine process and multiplexes requests over its pipe."""
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 600):
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        # Not a daemon: in a parallel run the engine (rank 0) starts the other ranks itself.
-        # It never outlives us: it exits when this pipe closes (mci.server.engine_process).
-        self.process = ctx.Process(
-            target=engine_main, args=(config, child), daemon=False, name="mci-engine"
-        )
-        self.process.start()
-        child.close()
-        if not self._conn.poll(start_timeout_s):
-            self.process.kill()
-            raise UserError("engine did not start in time")
-        msg = self._conn.recv()
-        if isinstance(msg, messages.Failed):
-            self.process.join(5)
-            raise UserError(msg.message)
-        self.info: dict = msg.info
-        self.stats: dict = dict(self.info)
-        self.alive = True
-        self._closing = False
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 600, max_restarts: int = 5):
+        self._config = config
+        self._start_timeout_s = start_timeout_s
+        self.max_restarts = max_restarts
+        self.restarts = 0  # engine restarts since the server started (a metric)
+        self._recent_restarts: deque[float] = deque()
+        self._lock = threading.Lock()  # engine generation, submissions
         self._send_lock = threading.Lock()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._submissions: dict[str, messages.AddRequest] = {}  # in flight, by request id
+        self._samples: dict[str, list[str]] = {}  # request id -> its samples still in flight
+        self._started: set[str] = set()  # request ids with output delivered
         self._state_waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._tokens = itertools.count()
-        self._reader = threading.Thread(target=self._read, name="mci-engine-reader", daemon=True)
-        self._reader.start()
+        self._closing = False
+        self._generation = 0
+        self.alive = False
+        self._start()
+
+    def _start(self) -> None:
+        """Start an engine process and wait until it is ready (UserError if it cannot)."""
+        ctx = multiprocessing.get_context("spawn")
+        conn, child = ctx.Pipe(duplex=True)
+        # Not a daemon: in a parallel run the engine (rank 0) starts the other ranks itself.
+        # It never outlives us: it exits when this pipe closes (mci.server.engine_process).
+        process = ctx.Process(
+            target=engine_main, args=(self._config, child), daemon=False, name="mci-engine"
+        )
+        process.start()
+        child.close()
+        if not conn.poll(self._start_timeout_s):
+            process.kill()
+            raise UserError("engine did not start in time")
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            process.join(5)
+            code = process.exitcode
+            raise UserError(f"engine process exited while starting (code {code})") from None
+        if isinstance(msg, messages.Failed):
+            process.join(5)
+            raise UserError(msg.message)
+        with self._lock:
+            self._generation += 1
+            self.process, self._conn = process, conn
+            self.info: dict = msg.info
+            self.stats: dict = dict(self.info)
+            self.alive = True
+        reader = threading.Thread(
+            target=self._read,
+            args=(conn, self._generation),
+            name="mci-engine-reader",
+            daemon=True,
+        )
+        reader.start()
+        self._reader = reader
 
     # ---- sending ------------------------------------------------------------------------------
     def _send(self, msg: object) -> None:
@@ -68,7 +112,6 @@ class EngineClient:
             with self._send_lock:
                 self._conn.send(msg)
         except (OSError, BrokenPipeError) as exc:
-            self._mark_dead()
             raise EngineDied("the engine process is not running") from exc
 
     def submit(
@@ -87,25 +130,39 @@ class EngineClient:
         """
         loop = asyncio.get_running_loop()
         ids = sample_ids(rid, params.n)
+        msg = messages.AddRequest(rid, prompt_ids, params, priority, timeout_s)
         out = []
-        for sid in ids:
-            q: asyncio.Queue = queue or asyncio.Queue()
-            self._queues[sid] = (loop, q)
-            out.append((sid, q))
-        try:
-            self._send(messages.AddRequest(rid, prompt_ids, params, priority, timeout_s))
-        except EngineDied:
+        with self._lock:
+            if not self.alive:
+                raise EngineDied("the engine process is not running")
             for sid in ids:
-                self._queues.pop(sid, None)
+                q: asyncio.Queue = queue or asyncio.Queue()
+                self._queues[sid] = (loop, q)
+                out.append((sid, q))
+            self._submissions[rid] = msg
+            self._samples[rid] = list(ids)
+        try:
+            self._send(msg)
+        except EngineDied:
+            with self._lock:
+                self._forget(rid)
             raise
         return out
 
     def abort(self, sample_id: str) -> None:
-        if self.alive and sample_id in self._queues:
+        if sample_id not in self._queues:
+            return
+        if self.alive:
             try:
                 self._send(messages.AbortRequest(sample_id))
+                return
             except EngineDied:
                 pass
+        # no engine to abort it in (it reloads): drop it, so it is not sent again
+        with self._lock:
+            rid = self._request_of(sample_id)
+            if rid is not None:
+                self._forget(rid)
 
     async def state(self, timeout_s: float = 10) -> dict:
         """The engine's stats plus a live integrity check of its slot accounting."""
@@ -124,13 +181,12 @@ class EngineClient:
         return len(self._queues)
 
     # ---- receiving ----------------------------------------------------------------------------
-    def _read(self) -> None:
+    def _read(self, conn, generation: int) -> None:
         while True:
             try:
-                msg = self._conn.recv()
+                msg = conn.recv()
             except (EOFError, OSError):
-                self.process.join(timeout=5)  # reap it: an exited engine is no zombie
-                self._mark_dead()
+                self._on_death(generation)
                 return
             if isinstance(msg, messages.Outputs):
                 self.stats = msg.stats
@@ -149,33 +205,112 @@ class EngineClient:
         """Hand outputs to their queues: one wake-up of each event loop per engine message,
         not one per output (a step of 32 requests is one syscall, not 32)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            entry = self._queues.get(out.request_id)
-            if entry is None:
-                continue
-            if out.finished:
-                self._queues.pop(out.request_id, None)
-            loop, q = entry
-            by_loop.setdefault(loop, []).append((q, out))
+        with self._lock:
+            for out in outputs:
+                entry = self._queues.get(out.request_id)
+                if entry is None:
+                    continue
+                rid = self._request_of(out.request_id)
+                if rid is not None:
+                    self._started.add(rid)
+                if out.finished:
+                    self._queues.pop(out.request_id, None)
+                    if rid is not None:
+                        samples = self._samples[rid]
+                        samples.remove(out.request_id)
+                        if not samples:
+                            self._forget(rid)
+                loop, q = entry
+                by_loop.setdefault(loop, []).append((q, out))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the loop is closed (shutting down)
                 pass
 
-    def _mark_dead(self) -> None:
-        if not self.alive:
-            return
-        self.alive = False
+    def _request_of(self, sample_id: str) -> str | None:
+        if sample_id in self._samples:
+            return sample_id
+        rid = sample_id.rpartition("-")[0]
+        return rid if rid in self._samples else None
+
+    def _forget(self, rid: str) -> None:
+        for sid in self._samples.pop(rid, []):
+            self._queues.pop(sid, None)
+        self._submissions.pop(rid, None)
+        self._started.discard(rid)
+
+    # ---- death and restarts -------------------------------------------------------------------
+    def _on_death(self, generation: int) -> None:
+        with self._lock:
+            if generation != self._generation or not self.alive:
+                return
+            self.alive = False
+            process = self.process
+        process.join(timeout=5)  # reap it: an exited engine is no zombie
+        restart = not self._closing and self._may_restart()
+        with self._lock:
+            failed = [rid for rid in self._submissions if not restart or rid in self._started]
+            failing = [sid for rid in failed for sid in self._samples.get(rid, [])]
+            kept = len(self._submissions) - len(failed)
         if not self._closing:
             log.error(
-                "engine process exited (code %s); failing %d requests in flight",
-                self.process.exitcode,
-                len(self._queues),
+                "engine process exited (code %s); failing %d request(s) that had started, %s",
+                process.exitcode,
+                len(failed),
+                f"retrying {kept} after a restart" if restart else "no restart left",
             )
-        self._deliver(
-            [RequestOutput.aborted(sid, "engine process died") for sid in list(self._queues)]
+        reason = (
+            "the engine restarted after a crash; this request had already produced output"
+            if restart
+            else "engine process died"
         )
+        self._deliver([RequestOutput.aborted(sid, reason) for sid in failing])
+        for loop, fut in list(self._state_waiters.values()):
+            loop.call_soon_threadsafe(
+                lambda f=fut: f.done() or f.set_exception(EngineDied("engine restarting"))
+            )
+        if restart:
+            threading.Thread(target=self._restart, name="mci-engine-restart", daemon=True).start()
+
+    def _may_restart(self) -> bool:
+        now = time.monotonic()
+        while self._recent_restarts and now - self._recent_restarts[0] > RESTART_WINDOW_S:
+            self._recent_restarts.popleft()
+        return len(self._recent_restarts) < self.max_restarts
+
+    def _restart(self) -> None:
+        """Start a new engine after a backoff; resend the requests kept for it."""
+        while not self._closing:
+            attempt = len(self._recent_restarts)
+            time.sleep(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)])
+            self._recent_restarts.append(time.monotonic())
+            try:
+                self._start()
+            except UserError as exc:
+                log.error("engine restart failed: %s", exc)
+                if self._may_restart():
+                    continue
+                self._give_up()
+                return
+            self.restarts += 1
+            with self._lock:
+                kept = list(self._submissions.values())
+            log.info(
+                "engine restarted (%d so far); resending %d request(s)", self.restarts, len(kept)
+            )
+            for msg in kept:
+                try:
+                    self._send(msg)
+                except EngineDied:
+                    return  # died again: its reader handles it
+            return
+
+    def _give_up(self) -> None:
+        with self._lock:
+            failing = [sid for samples in self._samples.values() for sid in samples]
+        log.error("engine restart budget spent; the engine stays down")
+        self._deliver([RequestOutput.aborted(sid, "engine process died") for sid in failing])
 
     def shutdown(self, timeout_s: float = 10) -> None:
         self._closing = True

@@ -66,7 +66,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         0 < server_config.context_length <= model_config.max_position_embeddings
     ):
         raise UserError(f"--context-length must be in 1..{model_config.max_position_embeddings}")
-    client = EngineClient(engine_config)
+    client = EngineClient(engine_config, max_restarts=server_config.max_engine_restarts)
     info = client.info
     name = server_config.served_model_name or path.name
     state = ServerState(

@@ -38,7 +38,7 @@ LATENCY_BUCKETS = (
 class ServerMetrics:
     """All metrics of one server; `render()` returns the Prometheus text format."""
 
-    def __init__(self, stats: Callable[[], dict]):
+    def __init__(self, stats: Callable[[], dict], restarts: Callable[[], int] = lambda: 0):
         self.registry = r = CollectorRegistry()
         self._stats = stats
         self.ttft = Histogram(
@@ -88,9 +88,24 @@ class ServerMetrics:
         for name, (doc, key) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda k=key: float(self._stats().get(k, 0)))
         r.register(_SpecDecodeCollector(stats))
+        r.register(_RestartCollector(restarts))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _RestartCollector:
+    """Engine restarts after a crash (the front end's own count)."""
+
+    def __init__(self, restarts: Callable[[], int]):
+        self._restarts = restarts
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        doc = "Engine processes restarted after a crash"
+        yield CounterMetricFamily("mci:engine_restarts", doc, value=self._restarts())
 
 
 class _SpecDecodeCollector:
