@@ -7,6 +7,7 @@ exit with code 2; no traceback. Flag names follow SGLang/vLLM where the meaning 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -149,6 +150,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(config_from_args(args), server_config_from_args(args))
 
 
+def _cmd_router(args: argparse.Namespace) -> int:
+    from mci.engine_config import RouterConfig
+    from mci.router.launch import run_router
+
+    fields = dataclasses.fields(RouterConfig)
+    return run_router(
+        RouterConfig(**{f.name: getattr(args, f.name) for f in fields}), args.worker_urls
+    )
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from mci.bench.serve import main as bench_main
 
@@ -213,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
         s, sections=("model", "cache", "scheduler", "speculative", "parallel", "server")
     )
     s.set_defaults(func=_cmd_serve)
+
+    r = sub.add_parser("router", help="one OpenAI endpoint over mci serve replicas")
+    r.add_argument(
+        "--worker-urls", nargs="+", default=[], help="the replicas, e.g. http://127.0.0.1:30001"
+    )
+    add_config_args(r, sections=("router",))
+    r.set_defaults(func=_cmd_router)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(

@@ -242,6 +242,11 @@ class ServerConfig:
     drain_timeout: float = _opt(30.0, "seconds to let requests finish after SIGTERM")
     max_request_bytes: int = _opt(4 * 2**20, "largest request body accepted (413 beyond)")
     health_generate_timeout: float = _opt(20.0, "seconds /health_generate waits for a token")
+    dp_size: int = _opt(
+        1,
+        "data-parallel replicas: start N servers on the next N ports behind the cache-aware "
+        "router on --port (mci router)",
+    )
     max_engine_restarts: int = _opt(
         5, "restarts of a crashed engine within 10 minutes before it stays down (0: none)"
     )
@@ -260,6 +265,35 @@ class ServerConfig:
         "chat: the format tool calls are written in (default: deepseekv3 when the tokenizer "
         "has its markup tokens, else a JSON envelope)",
         ["deepseekv3", "json"],
+    )
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """`mci router` (mci/router/): replicas behind one OpenAI endpoint."""
+
+    host: str = _opt("127.0.0.1", "address to bind (loopback by default)")
+    port: int = _opt(30000, "port to listen on")
+    policy: str = _opt(
+        "cache_aware",
+        "which replica takes a request",
+        ["cache_aware", "round_robin", "least_load"],
+    )
+    cache_threshold: float = _opt(
+        0.5, "cache_aware: the share of a prompt a replica must hold to take it by cache"
+    )
+    balance_abs_threshold: int = _opt(
+        32, "cache_aware: balance by load when the busiest has this many more requests ..."
+    )
+    balance_rel_threshold: float = _opt(1.5, "... and this many times the idlest's")
+    health_check_interval: float = _opt(1.0, "seconds between health checks of each replica")
+    max_retries: int = _opt(3, "other replicas tried when one fails before the first byte")
+    breaker_failures: int = _opt(3, "consecutive failures that eject a replica")
+    breaker_cooldown: float = _opt(10.0, "seconds an ejected replica waits for a health check")
+    disable_stream_resume: bool = _opt(
+        False,
+        "fail a stream whose replica dies mid-stream instead of continuing it on another "
+        "replica (continuing is exact for greedy and seeded streams with n = 1)",
     )
 
 
@@ -289,7 +323,7 @@ SECTIONS = {
     "speculative": SpeculativeConfig,
     "parallel": ParallelConfig,
 }
-ALL_SECTIONS = {**SECTIONS, "server": ServerConfig}
+ALL_SECTIONS = {**SECTIONS, "server": ServerConfig, "router": RouterConfig}
 
 
 def _arg_type(tp):

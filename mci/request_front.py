@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from mci.core.request import Request
+from mci.core.request import Request, Resume
 from mci.core.sampling_params import SamplingParams
 from mci.errors import InvalidParameter
 from mci.grammar.cache import GrammarCache
@@ -63,6 +63,21 @@ class RequestFront:
             )
         params.check_vocab(self.vocab_size)
 
+    def check_resume(self, params: SamplingParams, resume: Resume) -> None:
+        """A resumed output must be one sample's, unconstrained, in the vocabulary, and shorter
+        than max_new_tokens (400s otherwise)."""
+        problems = (
+            (params.n != 1, "n must be 1"),
+            (params.constraint is not None, "an output constraint cannot be resumed"),
+            (not resume.output_ids, "there is no output to resume from"),
+            (len(resume.output_ids) >= params.max_new_tokens, "the output is already complete"),
+            (any(not 0 <= t < self.vocab_size for t in resume.output_ids), "unknown token ids"),
+            (resume.text_offset < 0, "the text offset must be >= 0"),
+        )
+        for bad, why in problems:
+            if bad:
+                raise InvalidParameter(f"resume_output_token_ids: {why}", "resume_output_token_ids")
+
     def heal(
         self, ids: list[int], params: SamplingParams, asked: bool = True
     ) -> tuple[list[int], SamplingParams]:
@@ -107,11 +122,20 @@ class RequestFront:
         params: SamplingParams,
         priority: int = 0,
         timeout_s: float | None = None,
+        resume: Resume | None = None,
     ) -> list[Request]:
         """One request per sample of a checked prompt; sample i of a seeded request is seeded
-        `seed + i`, so samples differ and each is reproducible."""
+        `seed + i`, so samples differ and each is reproducible. `resume` (n = 1 only): the
+        output to continue from."""
         self.check(ids, params)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if resume is not None:
+            self.check_resume(params, resume)
+            req = Request(base, ids, params, priority=priority, deadline=deadline)
+            for token in resume.output_ids:
+                req.append_token(token)
+            req.resumed_text_offset = resume.text_offset
+            return [req]
         if params.n == 1:
             return [Request(base, ids, params, priority=priority, deadline=deadline)]
         # Samples share the prompt: the scheduler defers siblings until the first one's prefill

@@ -19,12 +19,21 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """`mci serve` in a subprocess; `url` is its base URL. Use as a context manager."""
+    """`mci serve` (or another serving command: `mci router`) in a subprocess; `url` is its
+    base URL. Use as a context manager."""
 
-    def __init__(self, model_path, *flags: str, startup_s: float = 120, dtype: str = "float32"):
-        self.port = free_port()
+    def __init__(
+        self,
+        model_path,
+        *flags: str,
+        startup_s: float = 120,
+        dtype: str = "float32",
+        command: str = "serve",
+        port: int | None = None,
+    ):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "mci", "serve", "--port", str(self.port), *flags]
+        cmd = [sys.executable, "-m", "mci", command, "--port", str(self.port), *flags]
         if model_path is not None:  # None: the bundled default model, as `make run` serves
             cmd += ["--model-path", str(model_path), "--dtype", dtype]
         self.proc = subprocess.Popen(

@@ -34,6 +34,17 @@ class RequestStatus(enum.Enum):
 _arrival_counter = itertools.count()
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A request continued from output another engine generated (the router resumes a stream
+    whose replica died): `output_ids` count as this request's own output (penalties, seeds,
+    max_new_tokens, stop rules see them; they are prefilled like a preempted request's), and
+    the first `text_offset` characters of their text were already delivered."""
+
+    output_ids: tuple[int, ...]
+    text_offset: int
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence being generated. Mutated only by the scheduler thread."""
@@ -66,6 +77,9 @@ class Request:
     # The tree's slot of the position a prefix match left to compute again (`match_margin`),
     # kept alive by the request's lock until its first step copies that slot's MTP latent.
     matched_next_slot: int | None = None
+    # --- resumed output ----------------------------------------------------------------------
+    # characters of the output's text delivered before this request (see `Resume`)
+    resumed_text_offset: int = 0
     # --- structured output ---------------------------------------------------------------------
     # The request's grammar (mci.grammar.cache.GrammarState) when its params carry a
     # constraint: admitted once compiled; its matcher has accepted exactly `output_ids`.

@@ -42,7 +42,11 @@ class OutputProcessor:
         holdback = max((len(s) for s in req.params.stop), default=1) - 1
         p = req.params
         detok = IncrementalDetokenizer(self._tokenizer, p.skip_special_tokens, len(p.healed_text))
-        self._states[req.request_id] = _TextState(detok, holdback=holdback)
+        state = _TextState(detok, holdback=holdback)
+        if req.output_ids:  # resumed: the text so far, of which the first part was delivered
+            state.text = detok.step(list(req.output_ids))
+            state.emitted = min(req.resumed_text_offset, len(state.text))
+        self._states[req.request_id] = state
 
     def on_tokens(self, req: Request, tokens: list[int], logprobs: list) -> RequestOutput:
         """Append a step's new tokens in order (one, or several verified at once), applying

@@ -248,17 +248,30 @@ def build_app(state: ServerState) -> FastAPI:
         got = _prompt_ids(state, texts, params, protocol.COMPLETION_NAMES, body.token_healing)
         await _check_constraints(state, got.params, protocol.COMPLETION_NAMES)
         prompts = list(zip(texts, got.ids, strict=True))  # as given: what echo repeats
+        with protocol.reported_as(protocol.COMPLETION_NAMES):
+            resume = protocol.resume_of(body, len(prompts))
         _admit(state, len(prompts) * params.n)
         rid = protocol.new_id("cmpl")
-        sub = Submission(state, rid, got.computed, got.params, body.priority or 0)
-        ctx = StreamContext(state, sub, rid, prompts, params, bool(body.echo), _include_usage(body))
+        sub = Submission(state, rid, got.computed, got.params, body.priority or 0, resume)
+        ctx = StreamContext(
+            state,
+            sub,
+            rid,
+            prompts,
+            params,
+            bool(body.echo),
+            _include_usage(body),
+            return_token_ids=bool(body.return_token_ids),
+            resumed_tokens=len(resume.output_ids) if resume else 0,
+        )
         if body.stream:
             return streaming_response(stream_completion(ctx), ctx)
         finals = await sub.collect(request)
         results = _group(finals, sub, len(prompts), params.n)
-        return protocol.completion_response(
+        response = protocol.completion_response(
             state.model_name, state.tokenizer, prompts, results, params, ctx.echo, rid
         )
+        return _with_token_ids(response, results, body.return_token_ids)
 
     @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -270,9 +283,11 @@ def build_app(state: ServerState) -> FastAPI:
         ids = protocol.chat_prompt_ids(state.tokenizer, body)
         got = _prompt_ids(state, [ids], params, protocol.CHAT_NAMES, heal=False)
         await _check_constraints(state, got.params, protocol.CHAT_NAMES)
+        with protocol.reported_as(protocol.CHAT_NAMES):
+            resume = protocol.resume_of(body, 1)
         _admit(state, params.n)
         rid = protocol.new_id("chatcmpl")
-        sub = Submission(state, rid, [ids], params, body.priority or 0)
+        sub = Submission(state, rid, [ids], params, body.priority or 0, resume)
         if body.stream:
             ctx = StreamContext(
                 state,
@@ -283,13 +298,16 @@ def build_app(state: ServerState) -> FastAPI:
                 include_usage=_include_usage(body),
                 tools=tools,
                 reasoning=reasoning,
+                return_token_ids=bool(body.return_token_ids),
+                resumed_tokens=len(resume.output_ids) if resume else 0,
             )
             return streaming_response(stream_chat(ctx), ctx)
         finals = await sub.collect(request)
         outs = _group(finals, sub, 1, params.n)[0]
-        return protocol.chat_response(
+        response = protocol.chat_response(
             state.model_name, state.tokenizer, len(ids), outs, rid, tools, reasoning
         )
+        return _with_token_ids(response, [outs], body.return_token_ids)
 
     @app.post(
         "/generate",
@@ -325,6 +343,16 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 # ---- small helpers ----------------------------------------------------------------------------
+def _with_token_ids(response: dict, results: list[list[RequestOutput]], wanted) -> dict:
+    """`return_token_ids`: each choice gets its output's token ids (choices run over prompts,
+    then samples, as `results`)."""
+    if wanted:
+        outs = [out for group in results for out in group]
+        for choice, out in zip(response["choices"], outs, strict=True):
+            choice["token_ids"] = list(out.output_token_ids)
+    return response
+
+
 def _document_400_not_422(app: FastAPI) -> None:
     """FastAPI documents a 422 for every body; validation errors are 400s here, so drop it."""
     generate_schema = app.openapi

@@ -27,6 +27,7 @@ import time
 from collections import deque
 
 from mci.core.outputs import RequestOutput
+from mci.core.request import Resume
 from mci.core.sampling_params import SamplingParams
 from mci.engine_config import EngineConfig
 from mci.errors import UserError
@@ -122,6 +123,7 @@ class EngineClient:
         priority: int = 0,
         timeout_s: float | None = None,
         queue: asyncio.Queue | None = None,
+        resume: Resume | None = None,
     ) -> list[tuple[str, asyncio.Queue]]:
         """Queue a request; returns (sample id, output queue) per sample (n of them).
 
@@ -130,7 +132,7 @@ class EngineClient:
         """
         loop = asyncio.get_running_loop()
         ids = sample_ids(rid, params.n)
-        msg = messages.AddRequest(rid, prompt_ids, params, priority, timeout_s)
+        msg = messages.AddRequest(rid, prompt_ids, params, priority, timeout_s, resume)
         out = []
         with self._lock:
             if not self.alive:

@@ -63,7 +63,12 @@ class PipeInbox:
         if isinstance(msg, messages.AddRequest):
             try:
                 reqs = self.parts.front.requests(
-                    msg.request_id, msg.prompt_ids, msg.params, msg.priority, msg.timeout_s
+                    msg.request_id,
+                    msg.prompt_ids,
+                    msg.params,
+                    msg.priority,
+                    msg.timeout_s,
+                    msg.resume,
                 )
             except Exception as exc:  # noqa: BLE001 - a bad request never kills the engine
                 if not isinstance(exc, UserError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mci.core.outputs import RequestOutput
+from mci.core.request import Resume
 from mci.core.sampling_params import SamplingParams
 
 
@@ -27,6 +28,7 @@ class AddRequest:
     params: SamplingParams
     priority: int = 0
     timeout_s: float | None = None
+    resume: Resume | None = None
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,16 @@ class _SamplingFields(_Strict):
     speculative: bool | None = Field(
         None, description="false: no speculative drafts for this request (opt-out; default true)"
     )
+    return_token_ids: bool | None = Field(
+        None, description="each choice (and each streamed chunk's) carries its token ids"
+    )
+    resume_output_token_ids: list[int] | None = Field(
+        None,
+        description="mci router: continue from this output (generated elsewhere); n = 1",
+    )
+    resume_text_offset: int | None = Field(
+        None, description="mci router: characters of that output's text already delivered"
+    )
     # structured output: at most one of these (vLLM's guided_* spellings accepted too)
     response_format: ResponseFormat | None = None
     regex: Text | None = Field(None, description="the output fully matches this regex")

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pydantic import BaseModel, ValidationError
 
 from mci.core.outputs import RequestOutput
+from mci.core.request import Resume
 from mci.core.sampling_params import SamplingParams
 from mci.errors import InvalidParameter
 from mci.grammar.constraint import Constraint
@@ -512,3 +513,20 @@ def native_response(out: RequestOutput, prompt_len: int) -> dict:
             "cached_tokens": out.num_cached_tokens,
         },
     }
+
+
+def resume_of(req, num_prompts: int) -> Resume | None:
+    """The output a router asks to continue from (`resume_output_token_ids`), checked as far
+    as the request alone allows (the engine's front checks the rest)."""
+    if req.resume_output_token_ids is None:
+        if req.resume_text_offset is not None:
+            raise InvalidParameter(
+                "'resume_text_offset' needs 'resume_output_token_ids'", "resume_text_offset"
+            )
+        return None
+    if num_prompts != 1 or getattr(req, "echo", False):
+        raise InvalidParameter(
+            "'resume_output_token_ids' needs exactly one prompt and no echo",
+            "resume_output_token_ids",
+        )
+    return Resume(tuple(req.resume_output_token_ids), req.resume_text_offset or 0)

@@ -41,6 +41,8 @@ class StreamContext:
     include_usage: bool = False
     tools: ToolPlan | None = None  # chat with callable tools: text held back until the end
     reasoning: bool = False  # chat: split reasoning_content off (--reasoning-parser)
+    return_token_ids: bool = False  # each chunk's choice carries its new token ids
+    resumed_tokens: int = 0  # output tokens generated before a resumed request (usage)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,13 +66,16 @@ def streaming_response(gen: AsyncIterator[str], ctx: StreamContext) -> Streaming
     )
 
 
-async def _reportable(sub: Submission, usage: list[int]) -> AsyncIterator[RequestOutput]:
-    """Outputs worth a chunk (new text or tokens, prompt logprobs, the end, or an error);
-    counts tokens into usage[0]."""
+async def _reportable(
+    sub: Submission, usage: list[int], with_ids: bool = False
+) -> AsyncIterator[RequestOutput]:
+    """Outputs worth a chunk (new text, prompt logprobs, the end, an error, or new tokens
+    when chunks carry token ids); counts tokens into usage[0]."""
     while sub.remaining:
         out = await sub.next()
         usage[0] += len(out.new_token_ids)
-        if out.error or out.delta_text or out.new_logprobs or out.finished or out.prompt_logprobs:
+        worth = out.delta_text or out.new_logprobs or out.finished or out.prompt_logprobs
+        if out.error or worth or (with_ids and out.new_token_ids):
             yield out
             if out.error:
                 return
@@ -89,7 +94,7 @@ async def stream_completion(ctx: StreamContext) -> AsyncIterator[str]:
     """Completion chunks. With echo, a choice's first chunk is its prompt (and the prompt's
     logprobs, when asked), sent once the engine has scored it; `text_offset` always indexes
     the choice's whole text so far."""
-    created, usage = int(time.time()), [0]
+    created, usage = int(time.time()), [ctx.resumed_tokens]
     sub, params, tokenizer = ctx.submission, ctx.params, ctx.state.tokenizer
     base = {
         "id": ctx.request_id,
@@ -99,11 +104,13 @@ async def stream_completion(ctx: StreamContext) -> AsyncIterator[str]:
     }
     offsets: dict[int, int] = {}  # choice index -> characters of its text so far
 
-    def chunk(idx: int, text: str, logprobs, reason) -> str:
+    def chunk(idx: int, text: str, logprobs, reason, token_ids=()) -> str:
         choice = {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        if ctx.return_token_ids:
+            choice["token_ids"] = list(token_ids)
         return sse({**base, "choices": [choice]})
 
-    async for out in _reportable(sub, usage):
+    async for out in _reportable(sub, usage, ctx.return_token_ids):
         if out.error:
             yield stream_error(out)
             break
@@ -121,7 +128,7 @@ async def stream_completion(ctx: StreamContext) -> AsyncIterator[str]:
                 tokenizer, out.new_token_ids, out.new_logprobs, offsets[idx]
             )
         if out.delta_text or out.new_token_ids or out.finished:
-            yield chunk(idx, out.delta_text, lp, protocol.finish_reason(out))
+            yield chunk(idx, out.delta_text, lp, protocol.finish_reason(out), out.new_token_ids)
     if ctx.include_usage:
         yield _usage_chunk(base, ctx.num_prompt_tokens, usage[0])
     yield sse("[DONE]")
@@ -129,7 +136,7 @@ async def stream_completion(ctx: StreamContext) -> AsyncIterator[str]:
 
 async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
     """Chat chunks: a role chunk per choice, then content deltas."""
-    created, usage = int(time.time()), [0]
+    created, usage = int(time.time()), [ctx.resumed_tokens]
     sub = ctx.submission
     base = {
         "id": ctx.request_id,
@@ -153,7 +160,7 @@ async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
         )
     held: dict[str, str] = {}  # with tools: a sample's text, until it is known not a call
     splitters: dict[str, ReasoningStream] = {}
-    async for out in _reportable(sub, usage):
+    async for out in _reportable(sub, usage, ctx.return_token_ids):
         if out.error:
             yield stream_error(out)
             break
@@ -191,6 +198,7 @@ async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
                         "delta": delta,
                         "logprobs": lp,
                         "finish_reason": reason,
+                        **({"token_ids": out.new_token_ids} if ctx.return_token_ids else {}),
                     }
                 ],
             }

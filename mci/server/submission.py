@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from mci.core.outputs import RequestOutput
+from mci.core.request import Resume
 from mci.core.sampling_params import SamplingParams
 from mci.server.engine_client import EngineDied
 from mci.server.errors import HTTPError
@@ -33,6 +34,7 @@ class Submission:
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams],
         priority: int,
+        resume: Resume | None = None,
     ):
         """`params`: for every prompt, or one each (token healing makes them differ)."""
         self.state = state
@@ -45,7 +47,7 @@ class Submission:
         try:
             for k, (ids, p) in enumerate(zip(prompts, per_prompt, strict=True)):
                 for sid, _ in state.client.submit(
-                    f"{rid}-p{k}", ids, p, priority, timeout, queue=self.queue
+                    f"{rid}-p{k}", ids, p, priority, timeout, queue=self.queue, resume=resume
                 ):
                     self.index[sid] = len(self.index)
                     self.trackers[sid] = _Tracker()

@@ -1,0 +1,266 @@
+"""`mci router`: one OpenAI endpoint over many `mci serve` replicas (docs/router.md).
+
+For each request the policy (router/policy.py) picks an available replica and the body goes
+there unchanged; the answer, streamed or not, comes back unchanged. Before the first byte a
+failure (connection refused or reset, 5xx, 429) is retried on another replica after a jittered
+backoff, so a replica that dies or drains loses no request that had not started. After the
+first byte a stream whose replica dies is continued on another (router/resume.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mci.engine_config import RouterConfig
+from mci.router.metrics import RouterMetrics
+from mci.router.policy import make_policy
+from mci.router.resume import StreamRelay
+from mci.router.workers import Worker, WorkerPool
+
+log = logging.getLogger("mci")
+
+PROXIED = ("/v1/completions", "/v1/chat/completions", "/generate")
+RETRY_STATUSES = (429, 500, 502, 503, 504)
+BACKOFF_S = 0.05  # first retry's mean delay; doubles per attempt, jittered
+
+
+def routing_key(path: str, body: dict):
+    """What the cache-aware policy matches on: the prompt's text, or its token ids."""
+    if path == "/v1/chat/completions":
+        parts = []
+        for m in body.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(f"{m.get('role', '') if isinstance(m, dict) else ''}:{content or ''}")
+        return "\x00".join(parts)
+    prompt = body.get("prompt") if path != "/generate" else body.get("text", body.get("input_ids"))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: route by its first prompt
+    if isinstance(prompt, list):
+        return tuple(prompt)
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _error(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, urls: list[str]):
+        self.config = config
+        self.pool = WorkerPool(urls, config.breaker_failures, config.breaker_cooldown)
+        self.policy = make_policy(
+            config.policy,
+            config.cache_threshold,
+            config.balance_abs_threshold,
+            config.balance_rel_threshold,
+        )
+        self.metrics = RouterMetrics(self.pool)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+
+    # ---- dispatch -----------------------------------------------------------------------------
+    async def open(
+        self, path: str, raw: bytes, key, headers: dict, exclude: set[str] = frozenset()
+    ) -> tuple[Worker, httpx.Response] | JSONResponse:
+        """Send the request to a replica and return its response, headers read and body not;
+        retried on others before the first byte. An error response when none can take it."""
+        tried = set(exclude)
+        last = "no replica is available"
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                self.metrics.retries.inc()
+                await asyncio.sleep(BACKOFF_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+            candidates = self.pool.available(tried)
+            if not candidates:
+                break
+            worker = self.policy.choose(candidates, key)
+            tried.add(worker.url)
+            matched = worker.tree.match(key) if key else 0
+            worker.in_flight += 1
+            try:
+                upstream = await self.client.send(
+                    self.client.build_request(
+                        "POST", worker.url + path, content=raw, headers=headers
+                    ),
+                    stream=True,
+                )
+            except httpx.TransportError as exc:
+                worker.in_flight -= 1
+                self.pool.failed(worker)
+                last = f"replica {worker.url} failed: {type(exc).__name__}"
+                continue
+            if upstream.status_code in RETRY_STATUSES:
+                detail = (await upstream.aread()).decode(errors="replace")[:200]
+                await upstream.aclose()
+                worker.in_flight -= 1
+                if upstream.status_code >= 500:
+                    self.pool.failed(worker)
+                last = f"replica {worker.url} answered {upstream.status_code}: {detail}"
+                continue
+            self.pool.succeeded(worker)
+            worker.requests += 1
+            if key:
+                worker.prompt_chars += len(key)
+                worker.matched_chars += matched
+                worker.tree.insert(key)
+            return worker, upstream
+        return _error(503, f"no replica could take the request ({last})")
+
+    async def proxy(self, path: str, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "invalid_request_error")
+        headers = {"content-type": "application/json"}
+        if "authorization" in request.headers:
+            headers["authorization"] = request.headers["authorization"]
+        key = routing_key(path, body)
+        relay = None
+        if body.get("stream") and not self.config.disable_stream_resume:
+            relay = StreamRelay.maybe(path, body)
+            if relay is not None:
+                raw = relay.first_body()
+        opened = await self.open(path, raw, key, headers)
+        if isinstance(opened, JSONResponse):
+            return opened
+        worker, upstream = opened
+        if not body.get("stream") or upstream.status_code != 200:
+            try:
+                content = await upstream.aread()
+            finally:
+                await upstream.aclose()
+                worker.in_flight -= 1
+            return Response(
+                content,
+                status_code=upstream.status_code,
+                media_type=upstream.headers.get("content-type"),
+            )
+        if relay is None:
+            stream = self._plain_stream(worker, upstream)
+        else:
+            stream = relay.run(self, path, key, headers, worker, upstream)
+        return StreamingResponse(stream, media_type="text/event-stream")
+
+    async def _plain_stream(self, worker: Worker, upstream: httpx.Response) -> AsyncIterator:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.TransportError:
+            self.pool.failed(worker)
+            error = {"error": {"message": f"replica {worker.url} failed mid-stream"}}
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await upstream.aclose()
+            worker.in_flight -= 1
+
+    # ---- health -------------------------------------------------------------------------------
+    async def check_health(self) -> None:
+        async def one(worker: Worker) -> None:
+            try:
+                r = await self.client.get(worker.url + "/health", timeout=2.0)
+                ok = r.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if worker.open_until and not ok:
+                return  # half-open: stays out until a check passes
+            self.pool.health(worker, ok)
+
+        await asyncio.gather(*(one(w) for w in list(self.pool.workers.values())))
+
+    async def health_loop(self) -> None:
+        while True:
+            await self.check_health()
+            await asyncio.sleep(self.config.health_check_interval)
+
+
+def build_router_app(router: Router) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(router.health_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await router.client.aclose()
+
+    app = FastAPI(title="mci router", lifespan=lifespan)
+
+    for path in PROXIED:
+
+        async def proxied(request: Request, path: str = path) -> Response:
+            return await router.proxy(path, request)
+
+        app.add_api_route(path, proxied, methods=["POST"], name=path)
+
+    @app.get("/health")
+    async def health():
+        if router.pool.available():
+            return Response("ok")
+        return _error(503, "no replica is available")
+
+    @app.get("/v1/models")
+    async def models():
+        for worker in router.pool.available():
+            try:
+                r = await router.client.get(worker.url + "/v1/models", timeout=5.0)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        return _error(503, "no replica is available")
+
+    @app.get("/workers")
+    async def workers():
+        return {
+            "workers": [
+                {
+                    "url": w.url,
+                    "available": w.available,
+                    "in_flight": w.in_flight,
+                    "requests": w.requests,
+                    "estimated_cache_hit_rate": w.matched_chars / w.prompt_chars
+                    if w.prompt_chars
+                    else 0.0,
+                    "ejections": w.ejections,
+                    "readmissions": w.readmissions,
+                }
+                for w in router.pool.workers.values()
+            ]
+        }
+
+    @app.post("/workers")
+    async def add_worker(request: Request):
+        body = await request.json()
+        url = body.get("url") if isinstance(body, dict) else None
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            return _error(400, "give {'url': 'http://host:port'}", "invalid_request_error")
+        router.pool.add(url)
+        await router.check_health()
+        return {"added": url.rstrip("/")}
+
+    @app.delete("/workers")
+    async def remove_worker(request: Request):
+        body = await request.json()
+        url = body.get("url") if isinstance(body, dict) else None
+        if not isinstance(url, str) or not router.pool.remove(url):
+            return _error(404, f"no worker {url!r}", "invalid_request_error")
+        return {"removed": url.rstrip("/")}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

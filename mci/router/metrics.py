@@ -1,0 +1,73 @@
+"""The router's Prometheus metrics (`mci_router:` names): per replica requests, estimated
+cache-hit rate, load, availability, ejections and re-admissions; retries and resumed streams."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from mci.router.workers import WorkerPool
+
+
+class RouterMetrics:
+    def __init__(self, pool: WorkerPool):
+        self.registry = r = CollectorRegistry()
+        self.retries = Counter(
+            "mci_router:retries", "Attempts on another replica before the first byte", registry=r
+        )
+        self.resumed = Counter(
+            "mci_router:streams_resumed", "Streams continued on another replica", registry=r
+        )
+        self.resume_failed = Counter(
+            "mci_router:streams_failed",
+            "Streams that broke and could not be continued",
+            registry=r,
+        )
+        r.register(_PoolCollector(pool))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _PoolCollector:
+    def __init__(self, pool: WorkerPool):
+        self._pool = pool
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        workers = list(self._pool.workers.values())
+        families = {
+            "requests": CounterMetricFamily(
+                "mci_router:requests", "Requests routed to the replica", labels=["worker"]
+            ),
+            "ejections": CounterMetricFamily(
+                "mci_router:ejections", "Times the replica was taken out", labels=["worker"]
+            ),
+            "readmissions": CounterMetricFamily(
+                "mci_router:readmissions", "Times it was put back", labels=["worker"]
+            ),
+            "hit": GaugeMetricFamily(
+                "mci_router:estimated_cache_hit_rate",
+                "Share of the prompt characters routed there that its tree held",
+                labels=["worker"],
+            ),
+            "in_flight": GaugeMetricFamily(
+                "mci_router:in_flight", "Requests open on the replica", labels=["worker"]
+            ),
+            "available": GaugeMetricFamily(
+                "mci_router:worker_available",
+                "1 while the replica takes requests",
+                labels=["worker"],
+            ),
+        }
+        for w in workers:
+            families["requests"].add_metric([w.url], w.requests)
+            families["ejections"].add_metric([w.url], w.ejections)
+            families["readmissions"].add_metric([w.url], w.readmissions)
+            rate = w.matched_chars / w.prompt_chars if w.prompt_chars else 0.0
+            families["hit"].add_metric([w.url], rate)
+            families["in_flight"].add_metric([w.url], w.in_flight)
+            families["available"].add_metric([w.url], 1.0 if w.available else 0.0)
+        yield from families.values()

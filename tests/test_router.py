@@ -1,0 +1,206 @@
+"""`mci router`: the cache-aware policy, failover before the first byte, resumable streams,
+workers at runtime, metrics; over real `mci serve` replicas."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from server_helpers import LiveServer
+
+from mci.router.policy import CacheAware, RoundRobin
+from mci.router.prefix_tree import PrefixTree
+from mci.router.workers import Worker
+
+
+def test_prefix_tree_matches_inserts_and_evicts():
+    tree = PrefixTree(max_size=20)
+    tree.insert("abcdef")
+    tree.insert("abcxyz")
+    assert tree.match("abcdefgh") == 6 and tree.match("abcx") == 4 and tree.match("q") == 0
+    assert tree.size == 9  # "abc" + "def" + "xyz"
+    tree.insert((1, 2, 3))  # token ids work the same
+    assert tree.match((1, 2, 4)) == 2
+    tree.insert("0123456789abcdef")  # past the bound: least recently used leaves go
+    assert tree.size <= 20 and tree.match("0123456789abcdef") == 16
+
+
+def test_cache_aware_keeps_families_together_and_balances():
+    workers = [Worker("http://a"), Worker("http://b")]
+    policy = CacheAware(cache_threshold=0.5, balance_abs=4, balance_rel=1.5)
+    homes = {}
+    for round_ in range(3):
+        for family in range(6):
+            prompt = f"family {family} " + "shared context " * 20 + f"question {round_}"
+            worker = policy.choose(workers, prompt)
+            worker.tree.insert(prompt)
+            homes.setdefault(family, set()).add(worker.url)
+    assert all(len(h) == 1 for h in homes.values())  # each family stays on one replica
+    assert {next(iter(h)) for h in homes.values()} == {"http://a", "http://b"}  # both used
+    workers[0].in_flight, workers[1].in_flight = 20, 2  # badly unbalanced: load wins
+    hot = "family 0 " + "shared context " * 20
+    assert policy.choose(workers, hot).url == "http://b"
+    assert RoundRobin().choose(workers, hot).url == "http://a"
+
+
+@pytest.fixture
+def replicas(checkpoint):
+    path = checkpoint()
+    with (
+        LiveServer(path, "--served-model-name", "m") as a,
+        LiveServer(path, "--served-model-name", "m") as b,
+    ):
+        yield path, a, b
+
+
+def _router(*urls, flags=()):
+    return LiveServer(
+        None, "--worker-urls", *urls, "--health-check-interval", "0.2", *flags, command="router"
+    )
+
+
+def _stream(url: str, body: dict) -> tuple[str, list[dict]]:
+    """(text, events) of a streamed completion."""
+    text, events = "", []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                events.append(event)
+                for choice in event.get("choices") or []:
+                    text += choice.get("text") or ""
+    return text, events
+
+
+def test_routes_streams_and_keeps_families_on_one_replica(replicas):
+    import openai
+
+    _, a, b = replicas
+    with _router(a.url, b.url) as router:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+        direct = openai.OpenAI(base_url=a.url + "/v1", api_key="x", max_retries=0)
+        kw = dict(model="m", prompt="def f(x):", max_tokens=8, temperature=0)
+        assert client.completions.create(**kw).choices[0].text == (
+            direct.completions.create(**kw).choices[0].text
+        )
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+        assert streamed == direct.completions.create(**kw).choices[0].text
+        chat = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert chat.choices[0].message.content is not None
+        for round_ in range(3):
+            for family in range(8):
+                prompt = f"# module {family}\n" + "import os\n" * 60 + f"x = {round_}"
+                client.completions.create(model="m", prompt=prompt, max_tokens=1)
+        workers = httpx.get(router.url + "/workers").json()["workers"]
+        assert all(w["requests"] >= 8 for w in workers)  # both replicas used
+        assert all(w["estimated_cache_hit_rate"] > 0.5 for w in workers)
+        metrics = httpx.get(router.url + "/metrics").text
+        assert "mci_router:requests_total" in metrics
+
+
+def test_failover_and_readmission(replicas, checkpoint):
+    """One replica killed under load: no request that had not started fails; it is ejected,
+    and re-admitted once it serves again on its port."""
+    path, a, b = replicas
+    with _router(a.url, b.url, flags=("--policy", "round_robin")) as router:
+        results = []
+
+        def one(i):
+            r = httpx.post(
+                router.url + "/v1/completions",
+                json={"prompt": f"x{i}", "max_tokens": 4},
+                timeout=60,
+            )
+            results.append(r.status_code)
+
+        os.kill(b.proc.pid, signal.SIGKILL)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [200] * 12
+        deadline = time.monotonic() + 10
+        while True:
+            metrics = httpx.get(router.url + "/metrics").text
+            if f'mci_router:ejections_total{{worker="{b.url}"}} 1.0' in metrics:
+                break
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.1)
+        with LiveServer(path, "--served-model-name", "m", port=b.port):
+            deadline = time.monotonic() + 10
+            while (
+                f'readmissions_total{{worker="{b.url}"}} 1.0'
+                not in httpx.get(router.url + "/metrics").text
+            ):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+
+
+@pytest.fixture
+def deterministic_replicas(checkpoint):
+    """Batch-invariant replicas (bf16, --deterministic): a stream's tokens do not depend on
+    what else shares its steps, so "the text one healthy replica gives" is one text."""
+    path = checkpoint()
+    flags = ("--served-model-name", "m", "--deterministic")
+    with LiveServer(path, *flags, dtype="bfloat16") as a, LiveServer(
+        path, *flags, dtype="bfloat16"
+    ) as b:
+        yield a, b
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_stream_resumes_on_another_replica_when_its_replica_dies(
+    deterministic_replicas, sampling
+):
+    """32 concurrent streams; the replica serving them is SIGKILLed mid-stream: every client
+    gets exactly the text one healthy replica gives, no error event, one usage at the end."""
+    a, b = deterministic_replicas
+    extra = {"temperature": 0} if sampling == "greedy" else {"temperature": 1.0, "seed": 7}
+    body = {
+        "prompt": "def parse(argv):",
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+    reference, _ = _stream(a.url, body)
+    with _router(a.url, b.url) as router:
+        results = {}
+
+        def client(i):
+            results[i] = _stream(router.url, body)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while True:  # the cache-aware router sends all 32 to one replica
+            busy = [
+                w for w in httpx.get(router.url + "/workers").json()["workers"] if w["in_flight"]
+            ]
+            if busy and sum(w["in_flight"] for w in busy) == 32:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # mid-stream
+        victim = a if busy[0]["url"] == a.url else b
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        for i in range(32):
+            text, events = results[i]
+            assert not any("error" in e for e in events), i
+            assert text == reference, i
+            usages = [e["usage"] for e in events if e.get("usage")]
+            assert len(usages) == 1 and usages[0]["completion_tokens"] == 1000
+        metrics = httpx.get(router.url + "/metrics").text
+        assert "mci_router:streams_resumed_total 32.0" in metrics
