@@ -150,16 +150,15 @@ def deterministic_replicas(checkpoint):
     what else shares its steps, so "the text one healthy replica gives" is one text."""
     path = checkpoint()
     flags = ("--served-model-name", "m", "--deterministic")
-    with LiveServer(path, *flags, dtype="bfloat16") as a, LiveServer(
-        path, *flags, dtype="bfloat16"
-    ) as b:
+    with (
+        LiveServer(path, *flags, dtype="bfloat16") as a,
+        LiveServer(path, *flags, dtype="bfloat16") as b,
+    ):
         yield a, b
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_stream_resumes_on_another_replica_when_its_replica_dies(
-    deterministic_replicas, sampling
-):
+def test_stream_resumes_on_another_replica_when_its_replica_dies(deterministic_replicas, sampling):
     """32 concurrent streams; the replica serving them is SIGKILLed mid-stream: every client
     gets exactly the text one healthy replica gives, no error event, one usage at the end."""
     a, b = deterministic_replicas
@@ -204,3 +203,24 @@ def test_stream_resumes_on_another_replica_when_its_replica_dies(
             assert len(usages) == 1 and usages[0]["completion_tokens"] == 1000
         metrics = httpx.get(router.url + "/metrics").text
         assert "mci_router:streams_resumed_total 32.0" in metrics
+
+
+def test_serve_dp_size_starts_replicas_behind_the_router(checkpoint):
+    """`mci serve --dp-size 2`: two replicas on the next ports, the router on --port; both
+    replicas serve; SIGTERM stops all of them."""
+    import openai
+
+    with LiveServer(checkpoint(), "--served-model-name", "m", "--dp-size", "2") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        for i in range(4):
+            client.completions.create(model="m", prompt=f"# file {i}\n" * 20, max_tokens=2)
+        workers = httpx.get(server.url + "/workers").json()["workers"]
+        assert [w["url"] for w in workers] == [
+            f"http://127.0.0.1:{server.port + 1}",
+            f"http://127.0.0.1:{server.port + 2}",
+        ]
+        assert all(w["requests"] >= 1 for w in workers)
+        assert server.stop(signal.SIGTERM) == 0
+    for port in (server.port + 1, server.port + 2):
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)

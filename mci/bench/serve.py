@@ -47,9 +47,16 @@ CHARS_PER_TOKEN = 3  # code text, for sizing text prompts without the server's t
 
 
 def make_prompts(
-    dataset: str, num: int, input_len: int, prefix_len: int, vocab: int, seed: int
+    dataset: str,
+    num: int,
+    input_len: int,
+    prefix_len: int,
+    vocab: int,
+    seed: int,
+    num_prefixes: int = 1,
 ) -> list[list[int]] | list[str]:
-    """Token-id prompts (random, shared-prefix), or text prompts cut from the held-out Python
+    """Token-id prompts (random, shared-prefix: `num_prefixes` families, each prompt in one
+    drawn at random), or text prompts cut from the held-out Python
     modules of the bundled model's corpus: `code` continues a stretch of code; `code-edit`
     gives a stretch of code, then starts it again ("# Edited version:" and its first line),
     as an editing request does, so the output largely repeats the prompt."""
@@ -61,8 +68,10 @@ def make_prompts(
     if dataset == "random":
         return [ids(input_len) for _ in range(num)]
     if dataset == "shared-prefix":
-        prefix = ids(prefix_len)
-        return [prefix + ids(input_len) for _ in range(num)]
+        prefixes = [ids(prefix_len) for _ in range(num_prefixes)]
+        if num_prefixes == 1:
+            return [prefixes[0] + ids(input_len) for _ in range(num)]
+        return [prefixes[rng.randrange(num_prefixes)] + ids(input_len) for _ in range(num)]
     if dataset in ("code", "code-edit"):
         return [_code_prompt(rng, input_len, dataset == "code-edit") for _ in range(num)]
     raise UserError(f"unknown dataset {dataset!r} ({', '.join(DATASETS)})")
@@ -325,13 +334,19 @@ def plot(results: list[RequestResult], duration: float, path: Path) -> None:
 
 
 def main(args) -> int:
-    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
-        raise UserError("--num-prompts, --input-len and --output-len must be >= 1")
+    if min(args.num_prompts, args.input_len, args.output_len, args.num_prefixes) < 1:
+        raise UserError("--num-prompts, --input-len, --output-len, --num-prefixes must be >= 1")
     rate = float(args.request_rate)
     if not rate > 0:
         raise UserError("--request-rate must be > 0 (or inf)")
     prompts = make_prompts(
-        args.dataset, args.num_prompts, args.input_len, args.prefix_len, args.vocab_size, args.seed
+        args.dataset,
+        args.num_prompts,
+        args.input_len,
+        args.prefix_len,
+        args.vocab_size,
+        args.seed,
+        args.num_prefixes,
     )
     try:
         results, duration, spec = asyncio.run(
@@ -381,6 +396,9 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: shared tokens")
+    p.add_argument(
+        "--num-prefixes", type=int, default=1, help="shared-prefix: prompt families (prefixes)"
+    )
     p.add_argument("--vocab-size", type=int, default=1000, help="random ids drawn below this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")

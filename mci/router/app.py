@@ -86,7 +86,10 @@ class Router:
                 break
             worker = self.policy.choose(candidates, key)
             tried.add(worker.url)
-            matched = worker.tree.match(key) if key else 0
+            if key:  # at once, so the requests arriving meanwhile follow this one
+                worker.prompt_chars += len(key)
+                worker.matched_chars += worker.tree.match(key)
+                worker.tree.insert(key)
             worker.in_flight += 1
             try:
                 upstream = await self.client.send(
@@ -110,10 +113,6 @@ class Router:
                 continue
             self.pool.succeeded(worker)
             worker.requests += 1
-            if key:
-                worker.prompt_chars += len(key)
-                worker.matched_chars += matched
-                worker.tree.insert(key)
             return worker, upstream
         return _error(503, f"no replica could take the request ({last})")
 

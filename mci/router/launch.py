@@ -48,9 +48,12 @@ def run_router(config: RouterConfig, urls: list[str]) -> int:
     return 0
 
 
-def _replica_main(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+def _replica_main(engine_config: EngineConfig, server_config: ServerConfig, threads: int) -> None:
     from mci.server.launch import serve
 
+    # replicas share the machine's cores: OpenMP teams spinning over the same cores slow
+    # every replica badly; the engine process inherits this
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     logging.basicConfig(
         level=logging.INFO,
         format=f"mci[replica :{server_config.port}]: %(message)s",
@@ -72,8 +75,9 @@ def serve_data_parallel(engine_config: EngineConfig, server_config: ServerConfig
         config = dataclasses.replace(
             server_config, host="127.0.0.1", port=server_config.port + 1 + i, dp_size=1
         )
+        threads = max(1, (os.cpu_count() or 1) // n)
         proc = context.Process(
-            target=_replica_main, args=(engine_config, config), name=f"mci-replica-{i}"
+            target=_replica_main, args=(engine_config, config, threads), name=f"mci-replica-{i}"
         )
         proc.start()
         replicas.append((proc, f"http://127.0.0.1:{config.port}"))
