@@ -24,6 +24,13 @@ log = logging.getLogger("mci")
 REPLICA_START_S = 600.0
 
 
+class _RouterServer(uvicorn.Server):
+    """Stops gracefully on SIGTERM/SIGINT and exits 0 (uvicorn re-raises the signal)."""
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.should_exit = True
+
+
 def run_router(config: RouterConfig, urls: list[str]) -> int:
     if not urls:
         raise UserError("mci router needs --worker-urls URL ... (or add them: POST /workers)")
@@ -41,7 +48,7 @@ def run_router(config: RouterConfig, urls: list[str]) -> int:
     uv = uvicorn.Config(
         build_router_app(router), host=config.host, port=config.port, log_level="warning"
     )
-    server = uvicorn.Server(uv)
+    server = _RouterServer(uv)
     server.run()
     if not server.started:
         raise UserError(f"could not listen on {config.host}:{config.port}")
