@@ -115,6 +115,25 @@ def test_logit_bias_forces_and_bans(client):
     ("path", "body", "param", "words"),
     [
         (
+            "/v1/completions",
+            {"resume_output_token_ids": []},
+            "resume_output_token_ids",
+            "no output",
+        ),
+        (
+            "/v1/completions",
+            {"resume_output_token_ids": [5], "n": 2},
+            "resume_output_token_ids",
+            "n must be 1",
+        ),
+        (
+            "/v1/chat/completions",
+            {"resume_output_token_ids": [5], "regex": "a+"},
+            "resume_output_token_ids",
+            "constraint",
+        ),
+        ("/v1/completions", {"resume_text_offset": 3}, "resume_text_offset", "needs"),
+        (
             "/v1/chat/completions",
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
             "response_format",

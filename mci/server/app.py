@@ -250,6 +250,8 @@ def build_app(state: ServerState) -> FastAPI:
         prompts = list(zip(texts, got.ids, strict=True))  # as given: what echo repeats
         with protocol.reported_as(protocol.COMPLETION_NAMES):
             resume = protocol.resume_of(body, len(prompts))
+            if resume is not None:
+                state.front.check_resume(params, resume)
         _admit(state, len(prompts) * params.n)
         rid = protocol.new_id("cmpl")
         sub = Submission(state, rid, got.computed, got.params, body.priority or 0, resume)
@@ -285,6 +287,8 @@ def build_app(state: ServerState) -> FastAPI:
         await _check_constraints(state, got.params, protocol.CHAT_NAMES)
         with protocol.reported_as(protocol.CHAT_NAMES):
             resume = protocol.resume_of(body, 1)
+            if resume is not None:
+                state.front.check_resume(params, resume)
         _admit(state, params.n)
         rid = protocol.new_id("chatcmpl")
         sub = Submission(state, rid, [ids], params, body.priority or 0, resume)
