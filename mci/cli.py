@@ -147,7 +147,14 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from mci.server.launch import serve
 
-    return serve(config_from_args(args), server_config_from_args(args))
+    server_config = server_config_from_args(args)
+    if server_config.dp_size < 1:
+        raise UserError("--dp-size must be >= 1")
+    if server_config.dp_size > 1:
+        from mci.server.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(config_from_args(args), server_config)
+    return serve(config_from_args(args), server_config)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:

@@ -60,12 +60,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         from mci.parallel.launch import run_follower_node
 
         return run_follower_node(engine_config)
-    if server_config.dp_size > 1:
-        from mci.router.launch import serve_data_parallel
-
-        return serve_data_parallel(engine_config, server_config)
-    if server_config.dp_size < 1:
-        raise UserError("--dp-size must be >= 1")
+    if server_config.dp_size != 1:
+        raise UserError("--dp-size N > 1 is served by mci.server.data_parallel (mci serve)")
     model_config = load_config(path)
     tokenizer = TextTokenizer.load(path)
     if server_config.context_length is not None and not (
