@@ -65,9 +65,13 @@ def _apply(core: EngineCore, commands: list[tuple]) -> list[RequestOutput]:
     for command in commands:
         kind = command[0]
         if kind == "add":
-            _, rid, prompt_ids, params, priority, remaining = command
+            _, rid, prompt_ids, params, priority, remaining, output_ids, text_offset = command
             deadline = None if remaining is None else time.monotonic() + remaining
-            out = core.add_request(Request(rid, prompt_ids, params, priority, deadline))
+            req = Request(rid, prompt_ids, params, priority, deadline)
+            for token in output_ids:  # a resumed request's output so far
+                req.append_token(token)
+            req.resumed_text_offset = text_offset
+            out = core.add_request(req)
         elif kind == "abort":
             out = core.abort_request(command[1])
         else:  # abort_all
@@ -153,7 +157,16 @@ class DataParallelCore:
                 self._finished(out)
             return out
         remaining = None if req.deadline is None else req.deadline - time.monotonic()
-        add = ("add", req.request_id, req.prompt_ids, req.params, req.priority, remaining)
+        add = (
+            "add",
+            req.request_id,
+            req.prompt_ids,
+            req.params,
+            req.priority,
+            remaining,
+            list(req.output_ids),
+            req.resumed_text_offset,
+        )
         self._pending[rank].append(add)
         return None
 

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import random
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -29,7 +30,7 @@ from mci.router.workers import Worker, WorkerPool
 log = logging.getLogger("mci")
 
 PROXIED = ("/v1/completions", "/v1/chat/completions", "/generate")
-RETRY_STATUSES = (429, 500, 502, 503, 504)
+RETRY_STATUSES = (429, 500, 502, 503)  # not 504: the request's own timeout
 BACKOFF_S = 0.05  # first retry's mean delay; doubles per attempt, jittered
 
 
@@ -103,10 +104,17 @@ class Router:
                 self.pool.failed(worker)
                 last = f"replica {worker.url} failed: {type(exc).__name__}"
                 continue
-            if upstream.status_code in RETRY_STATUSES:
-                detail = (await upstream.aread()).decode(errors="replace")[:200]
-                await upstream.aclose()
+            except BaseException:  # cancelled (the client left): nothing is open any more
                 worker.in_flight -= 1
+                raise
+            if upstream.status_code in RETRY_STATUSES:
+                worker.in_flight -= 1
+                try:
+                    detail = (await upstream.aread()).decode(errors="replace")[:200]
+                except httpx.TransportError:
+                    detail = "(no body)"
+                finally:
+                    await upstream.aclose()
                 if upstream.status_code >= 500:
                     self.pool.failed(worker)
                 last = f"replica {worker.url} answered {upstream.status_code}: {detail}"
@@ -174,8 +182,8 @@ class Router:
                 ok = r.status_code == 200
             except httpx.HTTPError:
                 ok = False
-            if worker.open_until and not ok:
-                return  # half-open: stays out until a check passes
+            if worker.open_until and (not ok or time.monotonic() < worker.open_until):
+                return  # ejected: out for its cooldown, then until a check passes
             self.pool.health(worker, ok)
 
         await asyncio.gather(*(one(w) for w in list(self.pool.workers.values())))

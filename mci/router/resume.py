@@ -46,7 +46,9 @@ class StreamRelay:
         self.token_ids: list[int] = []
         self.delivered = 0  # characters of output text sent to the client
         self.stream_id: str | None = None  # the first replica's id, kept for every chunk
-        self.finished = False
+        self.finished = False  # [DONE] relayed
+        self.ended = False  # the choice's finish_reason relayed: nothing left to resume
+        self.resumable = True  # False once a chunk shows what a resume cannot restore
         # completions with echo: the first chunk is the prompt, not output text
         self.echo_pending = path == "/v1/completions" and bool(body.get("echo"))
 
@@ -62,6 +64,8 @@ class StreamRelay:
                 return None  # several prompts: several choices
         if body.get("tools") and body.get("tool_choice") not in (None, "none", "auto"):
             return None  # a constrained tool call
+        if body.get("token_healing"):
+            return None  # the replica backed its prompt off: the router cannot repeat that
         return cls(path, body)
 
     def first_body(self) -> bytes:
@@ -92,12 +96,21 @@ class StreamRelay:
                 worker.in_flight -= 1
             if self.finished:
                 return
+            if self.ended:  # only [DONE] was missing
+                yield b"data: [DONE]\n\n"
+                return
             broken = broken or "the stream ended early"
             router.pool.failed(worker)
             opened = None
-            if resumes < MAX_RESUMES:  # nothing generated yet: a plain retry is exact
+            if resumes < MAX_RESUMES and self.resumable:
+                # nothing generated yet: a plain retry is exact
                 body = self.resume_body() if self.token_ids else self.first_body()
                 opened = await router.open(path, body, key, headers, {worker.url})
+                if isinstance(opened, tuple) and opened[1].status_code != 200:
+                    failed_worker, failed = opened
+                    await failed.aclose()
+                    failed_worker.in_flight -= 1
+                    opened = None
             if not isinstance(opened, tuple):
                 router.metrics.resume_failed.inc()
                 message = f"replica {worker.url} failed mid-stream ({broken}); could not resume"
@@ -120,8 +133,14 @@ class StreamRelay:
                 yield b"data: [DONE]\n\n"
                 return
             chunk = json.loads(data)
-            if "error" in chunk:
-                return  # resumable: the caller continues elsewhere
+            error = chunk.get("error")
+            if error is not None:
+                if isinstance(error, dict) and error.get("code") == "engine_died":
+                    return  # the replica's engine died: the caller continues elsewhere
+                self.finished = True  # the request's own error: the client's to see
+                yield _sse(chunk)
+                yield b"data: [DONE]\n\n"
+                return
             event = self._rewrite(chunk, resumed)
             if event is not None:
                 yield _sse(event)
@@ -131,14 +150,19 @@ class StreamRelay:
         chunk["id"] = self.stream_id
         for choice in chunk.get("choices") or []:
             self.token_ids.extend(choice.get("token_ids") or [])
+            if choice.get("finish_reason") is not None:
+                self.ended = True
             if not self.client_wants_ids:
                 choice.pop("token_ids", None)
             delta = choice.get("delta")
             if delta is not None:  # chat
                 if resumed:
                     delta.pop("role", None)
-                for field in ("content", "reasoning_content"):
-                    self.delivered += len(delta.get(field) or "")
+                if delta.get("reasoning_content"):
+                    # the server's reasoning split drops `</think>` and newlines from the text:
+                    # offsets in the engine's text are lost, so this stream cannot resume
+                    self.resumable = False
+                self.delivered += len(delta.get("content") or "")
                 if (
                     resumed
                     and not any(delta.values())

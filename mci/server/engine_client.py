@@ -37,6 +37,10 @@ from mci.server.engine_process import engine_main
 
 log = logging.getLogger("mci")
 
+# the errors of requests the engine's death ended (the router resumes such streams elsewhere)
+ENGINE_DIED = "engine process died"
+RESTARTED = "the engine restarted after a crash; this request had already produced output"
+ENGINE_DEATH_ERRORS = (ENGINE_DIED, RESTARTED)
 RESTART_WINDOW_S = 600.0  # restarts counted against the budget over this long
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # before the 1st, 2nd, ... restart in the window
 
@@ -68,7 +72,9 @@ class EngineClient:
         self._start()
 
     def _start(self) -> None:
-        """Start an engine process and wait until it is ready (UserError if it cannot)."""
+        """Start an engine process and wait until it is ready (UserError if it cannot). After
+        a restart, the requests kept for it are sent before anything new can be (a submit
+        needs `alive`, set only after), so none is sent twice."""
         ctx = multiprocessing.get_context("spawn")
         conn, child = ctx.Pipe(duplex=True)
         # Not a daemon: in a parallel run the engine (rank 0) starts the other ranks itself.
@@ -91,11 +97,21 @@ class EngineClient:
             process.join(5)
             raise UserError(msg.message)
         with self._lock:
+            kept = list(self._submissions.values())
+            try:
+                for request in kept:
+                    conn.send(request)
+            except (OSError, BrokenPipeError):
+                process.kill()
+                process.join(5)
+                raise UserError("engine process died while taking its requests") from None
             self._generation += 1
             self.process, self._conn = process, conn
             self.info: dict = msg.info
             self.stats: dict = dict(self.info)
             self.alive = True
+        if kept:
+            log.info("resent %d request(s) to the new engine", len(kept))
         reader = threading.Thread(
             target=self._read,
             args=(conn, self._generation),
@@ -172,8 +188,8 @@ class EngineClient:
         token = next(self._tokens)
         fut = loop.create_future()
         self._state_waiters[token] = (loop, fut)
-        self._send(messages.StateQuery(token))
         try:
+            self._send(messages.StateQuery(token))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._state_waiters.pop(token, None)
@@ -262,11 +278,7 @@ class EngineClient:
                 len(failed),
                 f"retrying {kept} after a restart" if restart else "no restart left",
             )
-        reason = (
-            "the engine restarted after a crash; this request had already produced output"
-            if restart
-            else "engine process died"
-        )
+        reason = RESTARTED if restart else ENGINE_DIED
         self._deliver([RequestOutput.aborted(sid, reason) for sid in failing])
         for loop, fut in list(self._state_waiters.values()):
             loop.call_soon_threadsafe(
@@ -282,37 +294,32 @@ class EngineClient:
         return len(self._recent_restarts) < self.max_restarts
 
     def _restart(self) -> None:
-        """Start a new engine after a backoff; resend the requests kept for it."""
+        """Start a new engine after a backoff (it takes the requests kept for it)."""
         while not self._closing:
             attempt = len(self._recent_restarts)
             time.sleep(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)])
+            if self._closing:
+                return
             self._recent_restarts.append(time.monotonic())
             try:
                 self._start()
-            except UserError as exc:
+            except Exception as exc:  # noqa: BLE001 - UserError, or OSError after an OOM kill
                 log.error("engine restart failed: %s", exc)
                 if self._may_restart():
                     continue
                 self._give_up()
                 return
             self.restarts += 1
-            with self._lock:
-                kept = list(self._submissions.values())
-            log.info(
-                "engine restarted (%d so far); resending %d request(s)", self.restarts, len(kept)
-            )
-            for msg in kept:
-                try:
-                    self._send(msg)
-                except EngineDied:
-                    return  # died again: its reader handles it
+            log.info("engine restarted (%d so far)", self.restarts)
+            if self._closing:  # shut down while it started: stop it too
+                self.shutdown()
             return
 
     def _give_up(self) -> None:
         with self._lock:
             failing = [sid for samples in self._samples.values() for sid in samples]
         log.error("engine restart budget spent; the engine stays down")
-        self._deliver([RequestOutput.aborted(sid, "engine process died") for sid in failing])
+        self._deliver([RequestOutput.aborted(sid, ENGINE_DIED) for sid in failing])
 
     def shutdown(self, timeout_s: float = 10) -> None:
         self._closing = True

@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
 from mci.server import protocol
+from mci.server.engine_client import ENGINE_DEATH_ERRORS
 from mci.server.errors import error_body
 from mci.server.reasoning import ReasoningStream
 from mci.server.state import ServerState
@@ -87,7 +88,10 @@ def _usage_chunk(base: dict, prompt_tokens: int, completion_tokens: int) -> str:
 
 
 def stream_error(out: RequestOutput) -> str:
-    return sse(error_body(out.error or "request failed", "server_error"))
+    """An error event; code `engine_died` when the engine's death ended the request (the
+    router continues such a stream on another replica)."""
+    code = "engine_died" if out.error in ENGINE_DEATH_ERRORS else None
+    return sse(error_body(out.error or "request failed", "server_error", code=code))
 
 
 async def stream_completion(ctx: StreamContext) -> AsyncIterator[str]:
