@@ -112,6 +112,7 @@ def test_dp_attention_pools_the_ranks_kv_and_refuses_speculation(checkpoint):
         dataclasses.replace(config, speculative=spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_bf16_and_fp8_layouts_match_one_process(checkpoint, fp8):
     path = checkpoint(dtype="bfloat16", fp8=fp8, **(FP8_ALIGNED if fp8 else {}))

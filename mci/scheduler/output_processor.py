@@ -44,7 +44,9 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self._tokenizer, p.skip_special_tokens, len(p.healed_text))
         state = _TextState(detok, holdback=holdback)
         if req.output_ids:  # resumed: the text so far, of which the first part was delivered
-            state.text = detok.step(list(req.output_ids))
+            # token by token, as `_append` decoded them where they were generated: decoding
+            # them at once can place a broken UTF-8 sequence's U+FFFD differently
+            state.text = "".join(detok.step([token]) for token in req.output_ids)
             state.emitted = min(req.resumed_text_offset, len(state.text))
         self._states[req.request_id] = state
 
