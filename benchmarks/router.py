@@ -52,6 +52,17 @@ def start(args: list[str], port: int, threads: int | None = None) -> subprocess.
     raise RuntimeError(f"{args[0]} on {port} did not start")
 
 
+def bench(url: str, dataset: str, *args: str) -> dict:
+    """`mci bench serve` against `url` (greedy, EOS ignored); its summary."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, "-m", "mci", "bench", "serve", "--base-url", url, "--model", "m"]
+        extra = ["--ignore-eos", "--disable-tqdm", "--output-json", out.name]
+        subprocess.run(
+            cmd + ["--dataset", dataset, *args, *extra], check=True, stdout=subprocess.DEVNULL
+        )
+        return json.loads(Path(out.name).read_text())
+
+
 def one_run(policy: str, rate: float) -> dict:
     ports = [free_port() for _ in range(3)]
     serve = ["serve", "--model-path", str(CKPT), "--dtype", "bfloat16", "--served-model-name", "m"]
@@ -61,70 +72,16 @@ def one_run(policy: str, rate: float) -> dict:
     router = start(["router", "--policy", policy, "--worker-urls", *urls], ports[2])
     try:
         for url in urls:  # warm-up on each replica (kernels, allocator), not through the router
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "mci",
-                    "bench",
-                    "serve",
-                    "--base-url",
-                    url,
-                    "--model",
-                    "m",
-                    "--dataset",
-                    "random",
-                    "--input-len",
-                    "512",
-                    "--output-len",
-                    "16",
-                    "--num-prompts",
-                    "8",
-                    "--seed",
-                    "99",
-                    "--request-rate",
-                    "inf",
-                    "--ignore-eos",
-                    "--disable-tqdm",
-                ],
-                check=True,
-                stdout=subprocess.DEVNULL,
-            )
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "mci",
-                    "bench",
-                    "serve",
-                    "--base-url",
-                    f"http://127.0.0.1:{ports[2]}",
-                    "--model",
-                    "m",
-                    "--dataset",
-                    "shared-prefix",
-                    "--num-prefixes",
-                    "8",
-                    "--prefix-len",
-                    "1024",
-                    "--input-len",
-                    "32",
-                    "--output-len",
-                    "32",
-                    "--num-prompts",
-                    "64",
-                    "--request-rate",
-                    str(rate),
-                    "--ignore-eos",
-                    "--disable-tqdm",
-                    "--output-json",
-                    out.name,
-                ],
-                check=True,
-                stdout=subprocess.DEVNULL,
-            )
-            summary = json.loads(Path(out.name).read_text())
+            bench(
+                url, "random", "--input-len", "512", "--output-len", "16",
+                "--num-prompts", "8", "--seed", "99", "--request-rate", "inf",
+            )  # fmt: skip
+        summary = bench(
+            f"http://127.0.0.1:{ports[2]}",
+            "shared-prefix",
+            "--num-prefixes", "8", "--prefix-len", "1024", "--input-len", "32",
+            "--output-len", "32", "--num-prompts", "64", "--request-rate", str(rate),
+        )  # fmt: skip
         workers = httpx.get(f"http://127.0.0.1:{ports[2]}/workers").json()["workers"]
         summary["hit_rates"] = [round(w["estimated_cache_hit_rate"], 2) for w in workers]
         summary["requests"] = [w["requests"] for w in workers]

@@ -161,6 +161,17 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _assert_run_gone(server, engine_pid: int, follower: int) -> None:
+    """Within 10 s: /health is 503, and the engine process and its rank have exited."""
+    deadline = time.monotonic() + 10
+    while httpx.get(server.url + "/health").status_code != 503:
+        assert time.monotonic() < deadline, "health still green"
+        time.sleep(0.1)
+    while Path(f"/proc/{engine_pid}").exists() or Path(f"/proc/{follower}").exists():
+        assert time.monotonic() < deadline, "the engine or its rank is still there"
+        time.sleep(0.1)
+
+
 def test_served_tp2_and_a_killed_rank(checkpoint):
     """`mci serve --tp-size 2` (and --ep-size 2) answers the OpenAI client with one process's
     greedy tokens.
@@ -204,13 +215,7 @@ def test_served_tp2_and_a_killed_rank(checkpoint):
         thread.join(10)
         assert not thread.is_alive() and time.monotonic() - start < 5
         assert outcome["status"] in (500, 503), outcome
-        deadline = time.monotonic() + 10
-        while httpx.get(server.url + "/health").status_code != 503:
-            assert time.monotonic() < deadline, "health still green"
-            time.sleep(0.1)
-        while Path(f"/proc/{engine_pid}").exists() or Path(f"/proc/{follower}").exists():
-            assert time.monotonic() < deadline, "the engine or its rank is still there"
-            time.sleep(0.1)
+        _assert_run_gone(server, engine_pid, follower)
 
 
 def test_served_stuck_rank_fails_after_the_collective_timeout(checkpoint):
@@ -231,13 +236,7 @@ def test_served_stuck_rank_fails_after_the_collective_timeout(checkpoint):
         start = time.monotonic()
         r = httpx.post(server.url + "/v1/completions", timeout=60, json={"prompt": "x"})
         assert r.status_code in (500, 503) and time.monotonic() - start < 7, r.text
-        deadline = time.monotonic() + 10
-        while httpx.get(server.url + "/health").status_code != 503:
-            assert time.monotonic() < deadline, "health still green"
-            time.sleep(0.1)
-        while Path(f"/proc/{engine_pid}").exists() or Path(f"/proc/{follower}").exists():
-            assert time.monotonic() < deadline, "the engine or its stopped rank is still there"
-            time.sleep(0.1)
+        _assert_run_gone(server, engine_pid, follower)
 
 
 def test_mtp_speculation_under_tp2_is_lossless(checkpoint):

@@ -57,8 +57,7 @@ class LeadingMatcher:
 
     def __init__(self, inner: Matcher):
         self._inner = inner
-        self._inner_tokens = 0  # accepted while constrained (what `inner` has seen)
-        self._free_tokens = 0  # accepted since
+        self._free_tokens = 0  # accepted since the release (`inner` has seen the others)
 
     def _released(self) -> bool:
         return self._inner.is_completed()
@@ -70,16 +69,12 @@ class LeadingMatcher:
         if self._released():
             self._free_tokens += 1
             return True
-        if not self._inner.accept(token):
-            return False
-        self._inner_tokens += 1
-        return True
+        return self._inner.accept(token)
 
     def rollback(self, num_tokens: int) -> None:
         free = min(num_tokens, self._free_tokens)
         self._free_tokens -= free
         self._inner.rollback(num_tokens - free)
-        self._inner_tokens -= num_tokens - free
 
     def is_terminated(self) -> bool:
         return not self._released() and self._inner.is_terminated()

@@ -130,13 +130,16 @@ class RoutedExperts(nn.Module):
         """x: [T, H], weights/ids: [T, K] -> sum_k weights[t,k] * expert_{ids[t,k]}(x[t]),
         float32 [T, H]."""
         top_k = ids.shape[1]
-        flat_ids = ids.flatten() - self.first_expert  # [T*K], this rank's expert numbering
+        flat_ids = ids.flatten()  # [T*K]
         order = flat_ids.argsort(stable=True)  # assignments grouped by expert
-        if self.num_experts < self.total_experts:
-            held = (flat_ids[order] >= 0) & (flat_ids[order] < self.num_experts)
-            order = order[held]  # expert parallelism: only the experts this rank holds
+        counted = flat_ids
+        if self.num_experts < self.total_experts:  # expert parallelism: this rank's experts
+            flat_ids = flat_ids - self.first_expert  # in this rank's numbering
+            sorted_ids = flat_ids[order]
+            order = order[(sorted_ids >= 0) & (sorted_ids < self.num_experts)]
+            counted = flat_ids[order]
         token_idx = order // top_k  # [T*K] token of each sorted assignment
-        counts = torch.bincount(flat_ids[order], minlength=self.num_experts)
+        counts = torch.bincount(counted, minlength=self.num_experts)
         x_sorted = x.index_select(0, token_idx)  # [T*K, H] (index_select: ~4x aten's x[idx])
         counts_list = counts.tolist()
         if not order.numel():
