@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PROMPT ?= def fibonacci(n):
 
-.PHONY: run generate test test-slow test-lm-eval fuzz lint bench clean default-model
+.PHONY: run generate test test-slow test-ray test-lm-eval fuzz lint bench clean default-model
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,19 @@ fuzz: $(VENV)/.installed
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow
+
+# `mci serve-ray` on a local Ray cluster (slow). Ray Serve lives in its own venv: it installs
+# uvloop and httptools, which uvicorn would then pick up in .venv's servers and benchmarks.
+RAY_VENV := .venv-ray
+$(RAY_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(RAY_VENV)
+	$(RAY_VENV)/bin/python -m pip install -q --upgrade pip
+	$(RAY_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(RAY_VENV)/bin/python -m pip install -q -e '.[test,ray]'
+	touch $@
+
+test-ray: $(RAY_VENV)/.installed
+	$(RAY_VENV)/bin/python -m pytest -q -m slow tests/test_ray_serve.py
 
 # lm-evaluation-harness through `mci serve` vs transformers (slow; installs the extra on first use).
 test-lm-eval: $(VENV)/.installed

@@ -157,6 +157,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(config_from_args(args), server_config)
 
 
+def _cmd_serve_ray(args: argparse.Namespace) -> int:
+    from mci.engine_config import RayServeConfig
+    from mci.ray_serve.launch import serve_ray
+
+    fields = dataclasses.fields(RayServeConfig)
+    ray_config = RayServeConfig(**{f.name: getattr(args, f.name) for f in fields})
+    return serve_ray(config_from_args(args), server_config_from_args(args), ray_config)
+
+
 def _cmd_router(args: argparse.Namespace) -> int:
     from mci.engine_config import RouterConfig
     from mci.router.launch import run_router
@@ -231,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
         s, sections=("model", "cache", "scheduler", "speculative", "parallel", "server")
     )
     s.set_defaults(func=_cmd_serve)
+
+    sr = sub.add_parser(
+        "serve-ray", help="mci serve replicas as an autoscaled Ray Serve deployment"
+    )
+    add_config_args(
+        sr, sections=("model", "cache", "scheduler", "speculative", "parallel", "server", "ray")
+    )
+    sr.set_defaults(func=_cmd_serve_ray)
 
     r = sub.add_parser("router", help="one OpenAI endpoint over mci serve replicas")
     r.add_argument(

@@ -298,6 +298,48 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class RayServeConfig:
+    """`mci serve-ray` (mci/ray_serve/): replicas as a Ray Serve deployment with autoscaling."""
+
+    ray_address: str | None = _opt(
+        None, "Ray cluster to join, e.g. auto or HOST:6379 (default: start a local one)"
+    )
+    min_replicas: int = _opt(1, "autoscaling: fewest replicas")
+    max_replicas: int = _opt(4, "autoscaling: most replicas")
+    target_ongoing_requests: float = _opt(
+        16.0, "autoscaling: requests in flight per replica that the replica count aims at"
+    )
+    upscale_delay_s: float = _opt(30.0, "autoscaling: seconds of demand before adding replicas")
+    downscale_delay_s: float = _opt(
+        600.0, "autoscaling: seconds of low demand before removing replicas"
+    )
+    max_ongoing_requests: int = _opt(
+        256, "requests one replica takes at once (Ray Serve queues the rest)"
+    )
+    cpus_per_replica: float = _opt(
+        1.0, "CPUs Ray reserves per replica (also its OpenMP threads, at least 1)"
+    )
+    request_router: str = _opt(
+        "cache_aware",
+        "which replica takes a request: mci's cache-aware policy, or Ray Serve's default",
+        ["cache_aware", "power_of_two"],
+    )
+
+    def __post_init__(self):
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise UserError("need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1")
+        for name, value in (
+            ("--target-ongoing-requests", self.target_ongoing_requests),
+            ("--max-ongoing-requests", self.max_ongoing_requests),
+            ("--cpus-per-replica", self.cpus_per_replica),
+        ):
+            if value <= 0:
+                raise UserError(f"{name} must be > 0")
+        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
+            raise UserError("--upscale-delay-s and --downscale-delay-s must be >= 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the in-process Engine needs."""
 
@@ -323,7 +365,12 @@ SECTIONS = {
     "speculative": SpeculativeConfig,
     "parallel": ParallelConfig,
 }
-ALL_SECTIONS = {**SECTIONS, "server": ServerConfig, "router": RouterConfig}
+ALL_SECTIONS = {
+    **SECTIONS,
+    "server": ServerConfig,
+    "router": RouterConfig,
+    "ray": RayServeConfig,
+}
 
 
 def _arg_type(tp):

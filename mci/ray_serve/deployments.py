@@ -1,0 +1,191 @@
+"""The two Ray Serve deployments of `mci serve-ray`.
+
+    HTTP ─▶ Serve proxy ─▶ MciIngress ──handle, routing_key──▶ MciReplica × N (autoscaled)
+                                         (CacheAwareRequestRouter)   └─ `mci serve` child process
+
+MciReplica owns one `mci serve` replica in a child process on a loopback port
+(server/replica_process.py), so a Ray replica is exactly an mci server: the same API, limits,
+engine crash recovery and drain. Its methods stream the server's answer back: first a head
+(status, content type, which replica), then the body's bytes as they come.
+
+MciIngress is the OpenAI endpoint: it reads the body once, computes the prompt's routing key
+(router/app.py's rule) for the request router, and relays the replica's answer unchanged.
+Before the first byte, a replica that died or answered 5xx is replaced by another (Serve's
+router picks again); after it, a failure ends the stream with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import socket
+import time
+
+import httpx
+from ray import serve
+from ray.exceptions import RayActorError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from mci.engine_config import EngineConfig, ServerConfig
+from mci.router.app import PROXIED, routing_key
+from mci.server.replica_process import ReplicaProcess
+
+log = logging.getLogger("mci")
+REPLICA_START_S = 600.0
+RETRY_STATUSES = (500, 502, 503)  # before the first byte: another replica may take it
+HEALTH_TIMEOUT_S = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _error(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+class MciReplica:
+    """One `mci serve` replica (a child process) as a Ray Serve replica."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, threads: int):
+        config = dataclasses.replace(server_config, port=_free_port())
+        self.replica = ReplicaProcess(engine_config, config, threads)
+        try:
+            self.replica.wait_ready(time.monotonic() + REPLICA_START_S)
+        except BaseException:
+            self.replica.stop()
+            raise
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.client = httpx.AsyncClient(
+            base_url=self.replica.url, timeout=httpx.Timeout(None, connect=5.0)
+        )
+
+    async def forward(self, path: str, body: bytes, routing_key, headers: dict):
+        """Stream the replica server's answer: a head dict, then the body's bytes.
+        (`routing_key` is for the request router; the body already holds the prompt.)"""
+        async with self.client.stream("POST", path, content=body, headers=headers) as response:
+            yield {
+                "status": response.status_code,
+                "content_type": response.headers.get("content-type", "application/json"),
+                "retry_after": response.headers.get("retry-after"),
+                "replica": self.name,
+            }
+            async for chunk in response.aiter_raw():
+                yield chunk
+
+    async def get(self, path: str) -> tuple[int, str, bytes]:
+        response = await self.client.get(path, timeout=HEALTH_TIMEOUT_S)
+        return response.status_code, response.headers.get("content-type", ""), response.content
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose server process is gone or unreachable is
+        replaced. A 503 (the server restarting its engine, which it does by itself) is not a
+        failure here."""
+        if not self.replica.alive():
+            raise RuntimeError(f"the mci server of replica {self.name} exited")
+        try:
+            await self.client.get("/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.TransportError as exc:
+            raise RuntimeError(f"the mci server of replica {self.name} is unreachable") from exc
+
+    def __del__(self):
+        # Ray Serve calls this on graceful shutdown (after in-flight requests finish, up to its
+        # timeout): the server drains, then stops its engine
+        replica = getattr(self, "replica", None)
+        if replica is not None:
+            replica.stop()
+
+
+class MciIngress:
+    """The OpenAI endpoint in front of the MciReplica deployment."""
+
+    def __init__(self, replicas, max_retries: int = 3):
+        self.replicas = replicas
+        self.max_retries = max_retries
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        if request.method == "POST" and path in PROXIED:
+            return await self._proxy(path, request)
+        if request.method == "GET" and path in ("/health", "/v1/models"):
+            return await self._get(path)
+        if request.method == "GET" and path == "/ray/status":
+            return JSONResponse(await asyncio.to_thread(_deployment_status))
+        return _error(404, f"no route {request.method} {path}", "not_found_error")
+
+    async def _get(self, path: str) -> Response:
+        try:
+            status, content_type, content = await self.replicas.get.remote(path)
+        except RayActorError:
+            return _error(503, "no replica is available")
+        return Response(content, status_code=status, media_type=content_type or None)
+
+    async def _proxy(self, path: str, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "invalid_request_error")
+        headers = {"content-type": "application/json"}
+        if "authorization" in request.headers:
+            headers["authorization"] = request.headers["authorization"]
+        key = routing_key(path, body)
+        last = "no replica is available"
+        for _ in range(self.max_retries + 1):
+            stream = self.replicas.options(stream=True).forward.remote(
+                path=path, body=raw, routing_key=key, headers=headers
+            )
+            try:
+                head = await stream.__anext__()
+            except RayActorError as exc:
+                last = f"replica failed: {type(exc).__name__}"
+                continue
+            except StopAsyncIteration:
+                last = "replica answered nothing"
+                continue
+            if head["status"] in RETRY_STATUSES:
+                stream.cancel()
+                last = f"replica {head['replica']} answered {head['status']}"
+                continue
+            return _relay(stream, head)
+        return _error(503, f"no replica could take the request ({last})")
+
+
+def _relay(stream, head: dict) -> StreamingResponse:
+    async def body():
+        try:
+            async for chunk in stream:
+                yield chunk
+        except RayActorError:
+            if head["content_type"].startswith("text/event-stream"):
+                error = {"error": {"message": f"replica {head['replica']} failed mid-stream"}}
+                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            stream.cancel()  # the client left: the replica's server sees it and frees the KV
+
+    headers = {"x-mci-replica": head["replica"]}
+    if head["retry_after"]:
+        headers["retry-after"] = head["retry_after"]
+    return StreamingResponse(
+        body(), status_code=head["status"], media_type=head["content_type"], headers=headers
+    )
+
+
+def _deployment_status() -> dict:
+    """Each deployment's status and its replicas by state (for operators and the tests)."""
+    status = serve.status()
+    return {
+        app_name: {
+            name: {"status": str(d.status), "replica_states": dict(d.replica_states)}
+            for name, d in app.deployments.items()
+        }
+        for app_name, app in status.applications.items()
+    }
