@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PROMPT ?= def fibonacci(n):
 
-.PHONY: run generate test test-slow test-ray test-lm-eval fuzz lint bench clean default-model
+.PHONY: run generate test test-slow test-ray chaos test-lm-eval fuzz lint bench clean default-model
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ FUZZ_EXAMPLES ?= 300
 FUZZ_SEED     ?= random
 fuzz: $(VENV)/.installed
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_SEED=$(FUZZ_SEED) $(PY) -m pytest -q -s tests/test_fuzz.py
+
+# The chaos and soak suite (scripts/chaos.py) with its 10-minute mixed soak; CI runs a short
+# version (tests/test_chaos.py). Results: chaos-results/chaos.json and chaos.png.
+SOAK_SECONDS ?= 600
+chaos: $(VENV)/.installed
+	$(PY) scripts/chaos.py --soak-seconds $(SOAK_SECONDS) --out chaos-results
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow

@@ -250,6 +250,16 @@ class ServerConfig:
     max_engine_restarts: int = _opt(
         5, "restarts of a crashed engine within 10 minutes before it stays down (0: none)"
     )
+    watchdog_timeout: float | None = _opt(
+        None,
+        "seconds the engine may go without progress before it is declared hung, killed and "
+        "restarted (default: 30, or 10x the longest step it has taken if more)",
+    )
+    max_queue_time: float | None = _opt(
+        120.0,
+        "seconds a request may wait to be scheduled before it is refused with 503 and "
+        "Retry-After (0: no bound)",
+    )
     reasoning_parser: str | None = _opt(
         None,
         "chat: report the text before </think> as reasoning_content (DeepSeek-R1 style)",

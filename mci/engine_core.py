@@ -8,6 +8,7 @@ for metrics and the KV integrity checks.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 
 from mci.cache.kv_manager import KVCacheManager
@@ -38,6 +39,7 @@ class EngineCore:
         self.runner = runner
         self.check_integrity_each_step = check_integrity
         self.grammar = grammar  # compiles constraints off this thread (None: no constraints)
+        self.longest_step_s = 0.0  # what the front end's watchdog scales its timeout by
 
     @property
     def kv(self) -> KVCacheManager:
@@ -89,7 +91,9 @@ class EngineCore:
         outputs = self.scheduler.expire_deadlines() + self.scheduler.reject_failed_grammars()
         batch = self.scheduler.schedule()
         if batch:
+            start = time.monotonic()
             result = self.runner.execute(batch)
+            self.longest_step_s = max(self.longest_step_s, time.monotonic() - start)
             outputs += self.scheduler.update(batch, result)
         else:
             self._wait_for_a_grammar()
@@ -112,6 +116,7 @@ class EngineCore:
             "tree_locked_tokens": radix.protected_tokens if radix else 0,
             "kv_cache_usage": in_use / kv.pool.num_slots,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "longest_step_s": self.longest_step_s,
             "counters": dict(sched.counters),
         }
 

@@ -123,21 +123,24 @@ class RequestFront:
         priority: int = 0,
         timeout_s: float | None = None,
         resume: Resume | None = None,
+        queue_deadline: float | None = None,
     ) -> list[Request]:
         """One request per sample of a checked prompt; sample i of a seeded request is seeded
         `seed + i`, so samples differ and each is reproducible. `resume` (n = 1 only): the
-        output to continue from."""
+        output to continue from. `queue_deadline` (time.monotonic()): aborted with
+        QUEUE_TIMEOUT if still not scheduled then."""
         self.check(ids, params)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        timing = {"deadline": deadline, "queue_deadline": queue_deadline}
         if resume is not None:
             self.check_resume(params, resume)
-            req = Request(base, ids, params, priority=priority, deadline=deadline)
+            req = Request(base, ids, params, priority=priority, **timing)
             for token in resume.output_ids:
                 req.append_token(token)
             req.resumed_text_offset = resume.text_offset
             return [req]
         if params.n == 1:
-            return [Request(base, ids, params, priority=priority, deadline=deadline)]
+            return [Request(base, ids, params, priority=priority, **timing)]
         # Samples share the prompt: the scheduler defers siblings until the first one's prefill
         # is in the prefix cache, then they reuse it.
         return [
@@ -148,7 +151,7 @@ class RequestFront:
                     params, n=1, seed=None if params.seed is None else params.seed + i
                 ),
                 priority=priority,
-                deadline=deadline,
+                **timing,
             )
             for i, rid in enumerate(sample_ids(base, params.n))
         ]

@@ -264,6 +264,7 @@ def test_mtp_speculation_under_tp2_is_lossless(checkpoint):
     assert drafted > 0
 
 
+@pytest.mark.slow  # CI time; make test-slow
 def test_two_nodes_on_one_machine(checkpoint):
     """--nnodes 2: node 0 serves with rank 0, node 1 (`mci serve --node-rank 1`) runs rank 1
     and serves nothing; they meet at --dist-init-addr. Node 1 exits when node 0 shuts down."""

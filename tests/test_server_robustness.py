@@ -70,6 +70,7 @@ def test_64_concurrent_streams_complete(checkpoint):
         assert state["integrity_ok"] and state["kv_cache_usage"] == 0
 
 
+@pytest.mark.slow  # CI: tests/test_chaos.py's disconnect storm (scripts/chaos.py)
 def test_200_cut_streams_leave_kv_free(checkpoint):
     with LiveServer(checkpoint(), "--max-total-tokens", "32768") as s:
 
@@ -112,6 +113,7 @@ def test_200_cut_streams_leave_kv_free(checkpoint):
         assert aborted >= 150  # nearly all were cut long before 500 tokens
 
 
+@pytest.mark.slow  # CI: tests/test_chaos.py's overload (scripts/chaos.py)
 def test_flood_beyond_queue_gets_429_and_admitted_complete(checkpoint):
     with LiveServer(
         checkpoint(),

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# errors the engine ends a request with on its own (the server maps them to HTTP statuses)
+REQUEST_TIMEOUT = "request timed out"  # its timeout passed (504)
+QUEUE_TIMEOUT = "request waited too long in the queue"  # --max-queue-time, not started (503)
+
 
 @dataclass
 class RequestOutput:

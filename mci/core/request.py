@@ -54,6 +54,8 @@ class Request:
     params: SamplingParams
     priority: int = 0  # smaller runs first (vLLM's convention)
     deadline: float | None = None  # time.monotonic() after which the request is aborted
+    # time.monotonic() after which a request never scheduled yet is aborted (QUEUE_TIMEOUT)
+    queue_deadline: float | None = None
     # --- state -----------------------------------------------------------------------------
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -23,7 +23,7 @@ from collections import Counter
 
 from mci.cache.kv_manager import KVCacheManager
 from mci.core.batch import SampleResult, ScheduledBatch, ScheduledItem
-from mci.core.outputs import RequestOutput
+from mci.core.outputs import QUEUE_TIMEOUT, REQUEST_TIMEOUT, RequestOutput
 from mci.core.request import Request, RequestStatus
 from mci.engine_config import SchedulerConfig
 from mci.scheduler.output_processor import OutputProcessor
@@ -258,7 +258,15 @@ class Scheduler:
         expired = [
             r for r in self.running + self.waiting if r.deadline is not None and r.deadline < now
         ]
-        return [self._abort(r, "request timed out") for r in expired]
+        outputs = [self._abort(r, REQUEST_TIMEOUT) for r in expired]
+        queued_too_long = [
+            r
+            for r in self.waiting
+            if r.queue_deadline is not None
+            and r.queue_deadline < now
+            and r.first_scheduled_time is None
+        ]
+        return outputs + [self._abort(r, QUEUE_TIMEOUT) for r in queued_too_long]
 
     def reject_failed_grammars(self) -> list[RequestOutput]:
         """Abort waiting requests whose constraint failed to compile (the HTTP front end

@@ -21,7 +21,7 @@ from mci import __version__
 from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
 from mci.server import protocol
-from mci.server.errors import HTTPError, install_error_handlers
+from mci.server.errors import RETRY_AFTER_S, HTTPError, install_error_handlers
 from mci.server.guard import GuardMiddleware
 from mci.server.openai_types import (
     ChatCompletionRequest,
@@ -64,7 +64,7 @@ def _admit(state: ServerState, num_samples: int) -> None:
     if state.draining:
         state.metrics.rejected.inc()
         raise HTTPError(503, "server is shutting down", "service_unavailable")
-    if not state.client.alive:
+    if not state.client.ready:
         state.metrics.rejected.inc()
         raise HTTPError(503, "engine is not running", "service_unavailable")
     queued = max(0, state.client.num_in_flight - state.max_running)
@@ -75,7 +75,7 @@ def _admit(state: ServerState, num_samples: int) -> None:
             f"server is at capacity ({queued} requests queued); retry later",
             "rate_limit_error",
             code="rate_limit_exceeded",
-            headers={"Retry-After": "1"},
+            headers={"Retry-After": RETRY_AFTER_S},
         )
 
 
@@ -159,9 +159,21 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health():
-        """Readiness: the engine is running and the server is not draining."""
-        if state.draining or not state.client.alive:
+        """Readiness: an engine is running and making progress (or idle), and the server is
+        not draining. 503 while the engine restarts after a crash or a hang."""
+        if state.draining or not state.client.ready:
             return JSONResponse({"status": "unavailable"}, 503)
+        return {"status": "ok"}
+
+    @app.get("/readyz", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    async def readyz():
+        """Readiness (Kubernetes' name): the same as /health."""
+        return await health()
+
+    @app.get("/livez", response_model=HealthResponse)
+    async def livez():
+        """Liveness: this process answers. 200 while the engine restarts (the server heals
+        itself; restarting the pod would only lose the requests kept for the new engine)."""
         return {"status": "ok"}
 
     @app.get(
@@ -171,7 +183,7 @@ def build_app(state: ServerState) -> FastAPI:
     )
     async def health_generate():
         """Generates one token through the engine."""
-        if state.draining or not state.client.alive:
+        if state.draining or not state.client.ready:
             return JSONResponse({"status": "unavailable"}, 503)
         params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
         ids = [state.model_config.bos_token_id or 0]
@@ -202,7 +214,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/internal/state", include_in_schema=False)
     async def internal_state():
         """Engine stats and a live KV integrity check (operators and tests)."""
-        if not state.client.alive:
+        if not state.client.ready:
             raise HTTPError(503, "engine is not running", "service_unavailable")
         return {
             **await state.client.state(),
@@ -267,7 +279,7 @@ def build_app(state: ServerState) -> FastAPI:
             resumed_tokens=len(resume.output_ids) if resume else 0,
         )
         if body.stream:
-            return streaming_response(stream_completion(ctx), ctx)
+            return await streaming_response(stream_completion(ctx), ctx, request)
         finals = await sub.collect(request)
         results = _group(finals, sub, len(prompts), params.n)
         response = protocol.completion_response(
@@ -305,7 +317,7 @@ def build_app(state: ServerState) -> FastAPI:
                 return_token_ids=bool(body.return_token_ids),
                 resumed_tokens=len(resume.output_ids) if resume else 0,
             )
-            return streaming_response(stream_chat(ctx), ctx)
+            return await streaming_response(stream_chat(ctx), ctx, request)
         finals = await sub.collect(request)
         outs = _group(finals, sub, 1, params.n)[0]
         response = protocol.chat_response(
@@ -333,7 +345,7 @@ def build_app(state: ServerState) -> FastAPI:
         sub = Submission(state, rid, got.computed, got.params, body.priority or 0)
         if body.stream:
             ctx = StreamContext(state, sub, rid, list(zip(prompts, encoded)), params)
-            return streaming_response(stream_native(ctx), ctx)
+            return await streaming_response(stream_native(ctx), ctx, request)
         finals = await sub.collect(request)
         results = [
             protocol.native_response(out, len(encoded[i // params.n]))

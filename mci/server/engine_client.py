@@ -14,6 +14,15 @@ restarts it, with backoff, up to `max_restarts` times in `RESTART_WINDOW_S`:
   refused with 503 meanwhile.
 
 Past the restart budget the engine stays down: every request fails, /health stays 503.
+
+A *hung* engine (alive but silent: a deadlock, a stuck collective, SIGSTOP) is treated like a
+dead one. The engine loop sends something at least every HEARTBEAT_S (outputs, or a
+heartbeat); a watchdog thread here declares it hung when nothing came for the watchdog
+timeout, reports not-ready at once (`ready`), SIGKILLs it (a stopped process dies too, so a
+later SIGCONT finds nothing) and the death takes the restart path above, counted in `hangs`.
+
+No request waits forever: one still unscheduled at its queue deadline ends with
+QUEUE_TIMEOUT, in the engine or, while no engine runs, here.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import threading
 import time
 from collections import deque
 
-from mci.core.outputs import RequestOutput
+from mci.core.outputs import QUEUE_TIMEOUT, RequestOutput
 from mci.core.request import Resume
 from mci.core.sampling_params import SamplingParams
 from mci.engine_config import EngineConfig
@@ -40,9 +49,17 @@ log = logging.getLogger("mci")
 # the errors of requests the engine's death ended (the router resumes such streams elsewhere)
 ENGINE_DIED = "engine process died"
 RESTARTED = "the engine restarted after a crash; this request had already produced output"
-ENGINE_DEATH_ERRORS = (ENGINE_DIED, RESTARTED)
+HUNG = (
+    "the engine stopped making progress and was restarted; this request had already produced output"
+)
+ENGINE_DEATH_ERRORS = (ENGINE_DIED, RESTARTED, HUNG)
 RESTART_WINDOW_S = 600.0  # restarts counted against the budget over this long
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # before the 1st, 2nd, ... restart in the window
+# The watchdog's default timeout: this long, or this many times the longest step the engine
+# has taken, whichever is more (a step is the longest a live loop stays silent).
+WATCHDOG_MIN_S = 30.0
+WATCHDOG_STEP_FACTOR = 10.0
+WATCH_INTERVAL_S = 0.1
 
 
 class EngineDied(RuntimeError):
@@ -52,11 +69,21 @@ class EngineDied(RuntimeError):
 class EngineClient:
     """Starts (and restarts) the engine process and multiplexes requests over its pipe."""
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 600, max_restarts: int = 5):
+    def __init__(
+        self,
+        config: EngineConfig,
+        start_timeout_s: float = 600,
+        max_restarts: int = 5,
+        watchdog_timeout_s: float | None = None,
+    ):
         self._config = config
         self._start_timeout_s = start_timeout_s
         self.max_restarts = max_restarts
+        self.watchdog_timeout_s = watchdog_timeout_s  # None: derived (`watchdog_limit_s`)
         self.restarts = 0  # engine restarts since the server started (a metric)
+        self.hangs = 0  # engines killed by the watchdog (a metric)
+        self._hung = False  # the current engine was declared hung
+        self._last_heard = time.monotonic()  # the engine's last message
         self._recent_restarts: deque[float] = deque()
         self._lock = threading.Lock()  # engine generation, submissions
         self._send_lock = threading.Lock()
@@ -70,6 +97,7 @@ class EngineClient:
         self._generation = 0
         self.alive = False
         self._start()
+        threading.Thread(target=self._watch, name="mci-engine-watchdog", daemon=True).start()
 
     def _start(self) -> None:
         """Start an engine process and wait until it is ready (UserError if it cannot). After
@@ -109,6 +137,8 @@ class EngineClient:
             self.process, self._conn = process, conn
             self.info: dict = msg.info
             self.stats: dict = dict(self.info)
+            self._last_heard = time.monotonic()
+            self._hung = False
             self.alive = True
         if kept:
             log.info("resent %d request(s) to the new engine", len(kept))
@@ -140,18 +170,23 @@ class EngineClient:
         timeout_s: float | None = None,
         queue: asyncio.Queue | None = None,
         resume: Resume | None = None,
+        queue_timeout_s: float | None = None,
     ) -> list[tuple[str, asyncio.Queue]]:
         """Queue a request; returns (sample id, output queue) per sample (n of them).
 
         Sample ids follow the engine's rule (`sample_ids`). Pass `queue` to receive every
-        sample's outputs on one queue.
+        sample's outputs on one queue. `queue_timeout_s`: it ends with QUEUE_TIMEOUT if not
+        scheduled by then (across engine restarts too).
         """
         loop = asyncio.get_running_loop()
         ids = sample_ids(rid, params.n)
-        msg = messages.AddRequest(rid, prompt_ids, params, priority, timeout_s, resume)
+        queue_deadline = None if queue_timeout_s is None else time.monotonic() + queue_timeout_s
+        msg = messages.AddRequest(
+            rid, prompt_ids, params, priority, timeout_s, resume, queue_deadline
+        )
         out = []
         with self._lock:
-            if not self.alive:
+            if not self.ready:
                 raise EngineDied("the engine process is not running")
             for sid in ids:
                 q: asyncio.Queue = queue or asyncio.Queue()
@@ -198,6 +233,17 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._queues)
 
+    @property
+    def ready(self) -> bool:
+        """An engine is running and not declared hung (readiness)."""
+        return self.alive and not self._hung
+
+    def watchdog_limit_s(self) -> float:
+        if self.watchdog_timeout_s is not None:
+            return self.watchdog_timeout_s
+        longest = float(self.stats.get("longest_step_s", 0.0))
+        return max(WATCHDOG_MIN_S, WATCHDOG_STEP_FACTOR * longest)
+
     # ---- receiving ----------------------------------------------------------------------------
     def _read(self, conn, generation: int) -> None:
         while True:
@@ -206,7 +252,10 @@ class EngineClient:
             except (EOFError, OSError):
                 self._on_death(generation)
                 return
-            if isinstance(msg, messages.Outputs):
+            self._last_heard = time.monotonic()
+            if isinstance(msg, messages.Heartbeat):
+                self.stats = msg.stats
+            elif isinstance(msg, messages.Outputs):
                 self.stats = msg.stats
                 self._deliver(msg.outputs)
             elif isinstance(msg, messages.Rejected):
@@ -278,7 +327,7 @@ class EngineClient:
                 len(failed),
                 f"retrying {kept} after a restart" if restart else "no restart left",
             )
-        reason = RESTARTED if restart else ENGINE_DIED
+        reason = (HUNG if self._hung else RESTARTED) if restart else ENGINE_DIED
         self._deliver([RequestOutput.aborted(sid, reason) for sid in failing])
         for loop, fut in list(self._state_waiters.values()):
             loop.call_soon_threadsafe(
@@ -286,6 +335,51 @@ class EngineClient:
             )
         if restart:
             threading.Thread(target=self._restart, name="mci-engine-restart", daemon=True).start()
+
+    # ---- the watchdog -------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._closing:
+            time.sleep(WATCH_INTERVAL_S)
+            try:
+                self._check_progress()
+                self._expire_queued()
+            except Exception:  # noqa: BLE001 - the watchdog must outlive any one check
+                log.exception("engine watchdog check failed")
+
+    def _check_progress(self) -> None:
+        limit = self.watchdog_limit_s()
+        with self._lock:
+            silent = time.monotonic() - self._last_heard
+            if not self.alive or self._hung or silent <= limit:
+                return
+            self._hung = True
+            process = self.process
+        self.hangs += 1
+        log.error(
+            "engine made no progress for %.1fs (watchdog timeout %.1fs): killing it (pid %s)",
+            silent,
+            limit,
+            process.pid,
+        )
+        process.kill()  # its pipe closes: the reader takes the death (and restart) path
+
+    def _expire_queued(self) -> None:
+        """While no engine runs, end the requests kept for the next one whose queue deadline
+        passed (a running engine expires its own)."""
+        if self.ready:
+            return
+        now = time.monotonic()
+        with self._lock:
+            expired = [
+                sid
+                for rid, msg in self._submissions.items()
+                if msg.queue_deadline is not None
+                and msg.queue_deadline < now
+                and rid not in self._started
+                for sid in self._samples.get(rid, [])
+            ]
+        if expired:
+            self._deliver([RequestOutput.aborted(sid, QUEUE_TIMEOUT) for sid in expired])
 
     def _may_restart(self) -> bool:
         now = time.monotonic()

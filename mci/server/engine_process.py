@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from multiprocessing.connection import Connection
 
 from mci.core.outputs import RequestOutput
@@ -32,6 +33,7 @@ from mci.request_front import sample_ids
 from mci.server import messages
 
 log = logging.getLogger("mci")
+HEARTBEAT_S = 0.5  # the longest silence of a live engine loop between steps
 
 
 class PipeInbox:
@@ -43,6 +45,7 @@ class PipeInbox:
         self.parts = parts
         self.outbox: list[RequestOutput] = []
         self.stop = False  # the loop ends
+        self.last_sent = time.monotonic()
         self.shutdown_asked = False  # ... because the front end asked (it is still listening)
 
     def take(self, wait: bool) -> list[Command]:
@@ -69,6 +72,7 @@ class PipeInbox:
                     msg.priority,
                     msg.timeout_s,
                     msg.resume,
+                    msg.queue_deadline,
                 )
             except Exception as exc:  # noqa: BLE001 - a bad request never kills the engine
                 if not isinstance(exc, UserError):
@@ -91,14 +95,18 @@ class PipeInbox:
     def send(self, msg) -> None:
         try:
             self.conn.send(msg)
+            self.last_sent = time.monotonic()
         except (EOFError, OSError):
             self.stop = True
 
     def flush(self) -> None:
-        """Send the outputs gathered since the last flush, with fresh stats."""
+        """Send the outputs gathered since the last flush, with fresh stats; or, when nothing
+        was sent for HEARTBEAT_S, a heartbeat (the loop runs at least every IDLE_WAIT_S)."""
         if self.outbox:
             self.send(messages.Outputs(list(self.outbox), self.parts.core.stats()))
             self.outbox.clear()  # the sinks hold this list's append
+        elif time.monotonic() - self.last_sent > HEARTBEAT_S:
+            self.send(messages.Heartbeat(self.parts.core.stats()))
 
 
 def engine_main(config: EngineConfig, conn: Connection) -> None:

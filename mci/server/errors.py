@@ -36,6 +36,9 @@ class HTTPError(Exception):
         self.headers = headers
 
 
+RETRY_AFTER_S = "1"  # the Retry-After of a 429 (queue full) or a 503 (waited too long)
+
+
 def error_body(message: str, type_: str, param=None, code=None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

@@ -68,7 +68,15 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         0 < server_config.context_length <= model_config.max_position_embeddings
     ):
         raise UserError(f"--context-length must be in 1..{model_config.max_position_embeddings}")
-    client = EngineClient(engine_config, max_restarts=server_config.max_engine_restarts)
+    if server_config.watchdog_timeout is not None and server_config.watchdog_timeout < 1:
+        raise UserError("--watchdog-timeout must be >= 1 second (the engine beats every 0.5 s)")
+    if server_config.max_queue_time is not None and server_config.max_queue_time < 0:
+        raise UserError("--max-queue-time must be >= 0 (0: no bound)")
+    client = EngineClient(
+        engine_config,
+        max_restarts=server_config.max_engine_restarts,
+        watchdog_timeout_s=server_config.watchdog_timeout,
+    )
     info = client.info
     name = server_config.served_model_name or path.name
     state = ServerState(

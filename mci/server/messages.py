@@ -6,6 +6,8 @@ from the network).
     front end -> engine:  AddRequest | AbortRequest | StateQuery | Shutdown
     engine -> front end:  Ready | Failed (once, at start-up)
                           Outputs (after every loop iteration with outputs)
+                          Heartbeat (when nothing else was sent for HEARTBEAT_S: the loop
+                          is alive; the front end's watchdog listens for silence)
                           StateReply (answers a StateQuery) | Rejected (an AddRequest refused)
 """
 
@@ -29,6 +31,9 @@ class AddRequest:
     priority: int = 0
     timeout_s: float | None = None
     resume: Resume | None = None
+    # time.monotonic() (one clock for both processes) after which, if it has not been
+    # scheduled, it ends with QUEUE_TIMEOUT; it survives a resend to a restarted engine
+    queue_deadline: float | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,11 @@ class Failed:
 @dataclass(frozen=True)
 class Outputs:
     outputs: list[RequestOutput]
+    stats: dict
+
+
+@dataclass(frozen=True)
+class Heartbeat:
     stats: dict
 
 

@@ -38,7 +38,12 @@ LATENCY_BUCKETS = (
 class ServerMetrics:
     """All metrics of one server; `render()` returns the Prometheus text format."""
 
-    def __init__(self, stats: Callable[[], dict], restarts: Callable[[], int] = lambda: 0):
+    def __init__(
+        self,
+        stats: Callable[[], dict],
+        restarts: Callable[[], int] = lambda: 0,
+        hangs: Callable[[], int] = lambda: 0,
+    ):
         self.registry = r = CollectorRegistry()
         self._stats = stats
         self.ttft = Histogram(
@@ -88,24 +93,27 @@ class ServerMetrics:
         for name, (doc, key) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda k=key: float(self._stats().get(k, 0)))
         r.register(_SpecDecodeCollector(stats))
-        r.register(_RestartCollector(restarts))
+        r.register(_RestartCollector(restarts, hangs))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _RestartCollector:
-    """Engine restarts after a crash (the front end's own count)."""
+    """Engine restarts after a crash or a hang, and the hangs (the front end's own counts)."""
 
-    def __init__(self, restarts: Callable[[], int]):
+    def __init__(self, restarts: Callable[[], int], hangs: Callable[[], int]):
         self._restarts = restarts
+        self._hangs = hangs
 
     def describe(self) -> list:
         return []
 
     def collect(self):
-        doc = "Engine processes restarted after a crash"
+        doc = "Engine processes restarted after a crash or a hang"
         yield CounterMetricFamily("mci:engine_restarts", doc, value=self._restarts())
+        doc = "Engine processes the watchdog found without progress and killed"
+        yield CounterMetricFamily("mci:engine_hangs", doc, value=self._hangs())
 
 
 class _SpecDecodeCollector:

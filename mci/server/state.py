@@ -33,7 +33,9 @@ class ServerState:
     draining: bool = False
 
     def __post_init__(self):
-        self.metrics = ServerMetrics(lambda: self.client.stats, lambda: self.client.restarts)
+        self.metrics = ServerMetrics(
+            lambda: self.client.stats, lambda: self.client.restarts, lambda: self.client.hangs
+        )
         cfg = self.model_config
         grammar = xgrammar_cache(self.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
         self.front = RequestFront(self.tokenizer, cfg.vocab_size, self.context_length, grammar)

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from mci.core.outputs import RequestOutput
@@ -54,7 +55,13 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def streaming_response(gen: AsyncIterator[str], ctx: StreamContext) -> StreamingResponse:
+async def streaming_response(
+    gen: AsyncIterator[str], ctx: StreamContext, request: Request
+) -> StreamingResponse:
+    """The SSE response, sent once the request has started: a request refused before its
+    first output (e.g. it waited past --max-queue-time) still gets its HTTP status."""
+    await ctx.submission.wait_started(request)
+
     async def guarded():
         try:
             async for chunk in gen:

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from mci.core.outputs import RequestOutput
+from mci.core.outputs import QUEUE_TIMEOUT, REQUEST_TIMEOUT, RequestOutput
 from mci.core.request import Resume
 from mci.core.sampling_params import SamplingParams
 from mci.server.engine_client import EngineDied
-from mci.server.errors import HTTPError
+from mci.server.errors import RETRY_AFTER_S, HTTPError
 from mci.server.state import ServerState
 
 
@@ -42,12 +42,21 @@ class Submission:
         self.index: dict[str, int] = {}
         self.trackers: dict[str, _Tracker] = {}
         self.remaining: set[str] = set()
+        self._held: list[RequestOutput] = []  # taken by wait_started, not yet by next()
         timeout = state.config.request_timeout
+        queue_timeout = state.config.max_queue_time or None  # 0: no bound
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         try:
             for k, (ids, p) in enumerate(zip(prompts, per_prompt, strict=True)):
                 for sid, _ in state.client.submit(
-                    f"{rid}-p{k}", ids, p, priority, timeout, queue=self.queue, resume=resume
+                    f"{rid}-p{k}",
+                    ids,
+                    p,
+                    priority,
+                    timeout,
+                    queue=self.queue,
+                    resume=resume,
+                    queue_timeout_s=queue_timeout,
                 ):
                     self.index[sid] = len(self.index)
                     self.trackers[sid] = _Tracker()
@@ -58,9 +67,33 @@ class Submission:
             raise HTTPError(503, "engine is not running", "service_unavailable") from None
 
     async def next(self) -> RequestOutput:
-        out = await self.queue.get()
+        out = self._held.pop() if self._held else await self.queue.get()
         self._observe(out)
         return out
+
+    async def wait_started(self, request: Request) -> None:
+        """Until the first output (kept for next()). A request that ends in error before any
+        output raises its HTTP error; a client that leaves meanwhile aborts it."""
+        first = asyncio.ensure_future(self.queue.get())
+        try:
+            await self._unless_disconnected(first, request)
+        finally:
+            if not first.done():
+                first.cancel()
+        out = first.result()
+        if out.finished and out.error:
+            self._observe(out)
+            self.abort()
+            raise http_error(out.error)
+        self._held.append(out)
+
+    async def _unless_disconnected(self, task: asyncio.Future, request: Request) -> None:
+        while not task.done():
+            await asyncio.wait([task], timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                self.abort()
+                raise HTTPError(499, "client disconnected", "invalid_request_error")
 
     def _observe(self, out: RequestOutput) -> None:
         m, tracker = self.state.metrics, self.trackers.get(out.request_id)
@@ -105,17 +138,20 @@ class Submission:
 
         task = asyncio.ensure_future(gather())
         try:
-            while not task.done():
-                await asyncio.wait([task], timeout=0.5)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    self.abort()
-                    raise HTTPError(499, "client disconnected", "invalid_request_error")
+            await self._unless_disconnected(task, request)
         finally:
             if not task.done():
                 task.cancel()
         errors = [o.error for o in finals.values() if o.error]
         if errors:
-            status = 504 if errors[0] == "request timed out" else 503
-            raise HTTPError(status, errors[0], "timeout" if status == 504 else "server_error")
+            raise http_error(errors[0])
         return finals
+
+
+def http_error(error: str) -> HTTPError:
+    """The HTTP answer to a request the engine ended with `error` (before anything was sent)."""
+    if error == REQUEST_TIMEOUT:
+        return HTTPError(504, error, "timeout")
+    if error == QUEUE_TIMEOUT:
+        return HTTPError(503, error, "service_unavailable", headers={"Retry-After": RETRY_AFTER_S})
+    return HTTPError(503, error, "server_error")

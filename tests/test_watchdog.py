@@ -1,0 +1,145 @@
+"""A hung engine is found and recovered like a dead one, and no request waits forever.
+
+- SIGSTOP of the engine under load: readiness (/health, /readyz) turns 503 within the
+  watchdog timeout + 1 s while liveness (/livez) stays 200; the streaming request fails with
+  an `engine_died` error event, the queued ones complete after the restart with the text they
+  would have had; the old process is gone (SIGCONT finds nothing); the hang is counted.
+- --max-queue-time: a request still unscheduled then gets 503 with Retry-After, streamed or
+  not, while the running request completes, and the KV pool ends fully free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+from server_helpers import LiveServer
+
+PROMPTS = [f"def task_{i}(x):" for i in range(4)]
+WATCHDOG_S = 2.0
+
+
+def _complete(url: str, prompt: str, max_tokens: int, results: dict, key) -> None:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    try:
+        r = httpx.post(url + "/v1/completions", timeout=120, json=body)
+        results[key] = (r.status_code, r.json(), r.headers)
+    except httpx.HTTPError as exc:
+        results[key] = (None, str(exc), None)
+
+
+def _stream(url: str, prompt: str, max_tokens: int, results: dict, key) -> None:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events = []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            if r.status_code != 200:
+                results[key] = (r.status_code, json.loads(r.read()), r.headers)
+                return
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+        results[key] = (200, events, r.headers)
+    except httpx.HTTPError as exc:
+        results[key] = (None, str(exc), None)
+
+
+def test_sigstopped_engine_is_detected_killed_and_restarted(checkpoint):
+    path = checkpoint()
+    flags = ("--max-running-requests", "1", "--watchdog-timeout", str(WATCHDOG_S))
+    with LiveServer(path, *flags) as server:
+        reference = {}
+        for i, p in enumerate(PROMPTS):
+            _complete(server.url, p, 8, reference, i)
+        engine_pid = server.state()["engine_pid"]
+        results: dict = {}
+        long = threading.Thread(target=_stream, args=(server.url, "x", 1500, results, "long"))
+        long.start()  # runs alone (one running request at a time): the others queue
+        time.sleep(1.0)
+        queued = [
+            threading.Thread(target=_complete, args=(server.url, p, 8, results, i))
+            for i, p in enumerate(PROMPTS)
+        ]
+        for t in queued:
+            t.start()
+        time.sleep(0.5)
+        os.kill(engine_pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            while httpx.get(server.url + "/health").status_code == 200:
+                assert time.monotonic() < stopped + WATCHDOG_S + 1, "still ready after the hang"
+                time.sleep(0.05)
+            not_ready_s = time.monotonic() - stopped
+            assert httpx.get(server.url + "/readyz").status_code in (200, 503)
+            assert httpx.get(server.url + "/livez").status_code == 200
+            while httpx.get(server.url + "/health").status_code != 200:
+                assert time.monotonic() < stopped + 60, "not ready 60 s after the hang"
+                time.sleep(0.1)
+            recovered_s = time.monotonic() - stopped
+        finally:
+            try:
+                os.kill(engine_pid, signal.SIGCONT)  # must find nothing: it was killed
+                resumed_old = True
+            except ProcessLookupError:
+                resumed_old = False
+        assert not resumed_old, "the hung engine process is still there"
+        long.join(30)
+        assert not long.is_alive(), "the streaming client hangs"
+        status, events, _ = results["long"]
+        assert status == 200
+        assert events[-1].get("error", {}).get("code") == "engine_died", events[-1]
+        for t in queued:
+            t.join(60)
+            assert not t.is_alive(), "a queued client hangs"
+        for i in range(len(PROMPTS)):
+            status, body, _ = results[i]
+            assert status == 200, body
+            assert body["choices"][0]["text"] == reference[i][1]["choices"][0]["text"]
+        assert server.state()["engine_pid"] != engine_pid
+        metrics = httpx.get(server.url + "/metrics").text
+        assert "mci:engine_hangs_total 1.0" in metrics
+        assert "mci:engine_restarts_total 1.0" in metrics
+        state = server.wait_idle()
+        assert state["free_slots"] + state["tree_tokens"] == state["num_slots"]
+    print(f"not ready {not_ready_s:.2f} s and ready again {recovered_s:.1f} s after SIGSTOP")
+
+
+def test_a_request_queued_past_max_queue_time_gets_503_with_retry_after(checkpoint):
+    path = checkpoint()
+    flags = ("--max-running-requests", "1", "--max-queue-time", "1")
+    with LiveServer(path, *flags) as server:
+        results: dict = {}
+        long = threading.Thread(target=_complete, args=(server.url, "x", 1500, results, "long"))
+        long.start()
+        time.sleep(0.5)
+        queued = [
+            threading.Thread(target=send, args=(server.url, "def queued(x):", 8, results, send))
+            for send in (_complete, _stream)
+        ]
+        sent = time.monotonic()
+        for t in queued:
+            t.start()
+        for t in queued:
+            t.join(10)
+        waited = time.monotonic() - sent
+        assert 1.0 <= waited < 3.0
+        for send in (_complete, _stream):
+            status, body, headers = results[send]
+            assert status == 503, (send.__name__, body)
+            assert body["error"]["message"] == "request waited too long in the queue"
+            assert headers["retry-after"] == "1"
+        assert long.is_alive()  # the queued requests timed out behind it
+        long.join(60)
+        assert results["long"][0] == 200  # the running request was never at risk
+        state = server.wait_idle()
+        assert state["free_slots"] + state["tree_tokens"] == state["num_slots"]
