@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from mci.core.request import Request, Resume
+from mci.core.request import QueueClock, Request, Resume
 from mci.core.sampling_params import SamplingParams
 from mci.errors import InvalidParameter
 from mci.grammar.cache import GrammarCache
@@ -131,7 +131,8 @@ class RequestFront:
         QUEUE_TIMEOUT if still not scheduled then."""
         self.check(ids, params)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        timing = {"deadline": deadline, "queue_deadline": queue_deadline}
+        clock = None if queue_deadline is None else QueueClock(queue_deadline)
+        timing = {"deadline": deadline, "queue_clock": clock}
         if resume is not None:
             self.check_resume(params, resume)
             req = Request(base, ids, params, priority=priority, **timing)

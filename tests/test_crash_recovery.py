@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from server_helpers import LiveServer
 
 PROMPTS = [f"def task_{i}(x):" for i in range(4)]
@@ -27,6 +28,7 @@ def _complete(url: str, prompt: str, max_tokens: int, results: dict, key) -> Non
         results[key] = (None, str(exc))
 
 
+@pytest.mark.slow  # CI: the same path through a hang (test_watchdog.py) and chaos's SIGKILL
 def test_engine_killed_under_load_restarts_and_finishes_queued_requests(checkpoint):
     path = checkpoint()
     flags = ("--max-running-requests", "1", "--max-total-tokens", "4096")

@@ -17,6 +17,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from server_helpers import LiveServer
 
 PROMPTS = [f"def task_{i}(x):" for i in range(4)]
@@ -80,7 +81,7 @@ def test_sigstopped_engine_is_detected_killed_and_restarted(checkpoint):
                 assert time.monotonic() < stopped + WATCHDOG_S + 1, "still ready after the hang"
                 time.sleep(0.05)
             not_ready_s = time.monotonic() - stopped
-            assert httpx.get(server.url + "/readyz").status_code in (200, 503)
+            assert httpx.get(server.url + "/readyz").status_code == 503  # the restart takes s
             assert httpx.get(server.url + "/livez").status_code == 200
             while httpx.get(server.url + "/health").status_code != 200:
                 assert time.monotonic() < stopped + 60, "not ready 60 s after the hang"
@@ -141,5 +142,45 @@ def test_a_request_queued_past_max_queue_time_gets_503_with_retry_after(checkpoi
         assert long.is_alive()  # the queued requests timed out behind it
         long.join(60)
         assert results["long"][0] == 200  # the running request was never at risk
+        state = server.wait_idle()
+        assert state["free_slots"] + state["tree_tokens"] == state["num_slots"]
+
+
+@pytest.mark.slow  # two hangs and two restarts
+def test_a_request_in_flight_through_two_hangs_is_not_sent_again(checkpoint):
+    """One request that wedges every engine it meets must not spend the restart budget: after
+    a second hang with it in flight it fails (503) instead of being resent."""
+    path = checkpoint()
+    flags = ("--max-running-requests", "1", "--watchdog-timeout", str(WATCHDOG_S))
+    with LiveServer(path, *flags) as server:
+        results: dict = {}
+        long = threading.Thread(target=_complete, args=(server.url, "x", 1500, results, "long"))
+        long.start()
+        time.sleep(1.0)
+        queued = []
+        for key in ("q1", "q2"):  # after the first hang q1 runs and q2 waits behind it
+            queued.append(
+                threading.Thread(target=_complete, args=(server.url, key, 1500, results, key))
+            )
+            queued[-1].start()
+            time.sleep(0.3)
+        for _ in range(2):  # the queued request is resent after the first hang only
+            pid = server.state()["engine_pid"]
+            os.kill(pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 60
+            while httpx.get(server.url + "/health").status_code == 200:
+                time.sleep(0.05)
+            while httpx.get(server.url + "/health").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            time.sleep(0.5)
+        for t in (long, *queued):
+            t.join(30)
+        status, body, _ = results["q2"]
+        assert status == 503, body
+        assert "twice" in body["error"]["message"]
+        assert "already produced output" in results["q1"][1]["error"]["message"]
+        metrics = httpx.get(server.url + "/metrics").text
+        assert "mci:engine_hangs_total 2.0" in metrics
         state = server.wait_idle()
         assert state["free_slots"] + state["tree_tokens"] == state["num_slots"]

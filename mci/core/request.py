@@ -46,6 +46,17 @@ class Resume:
 
 
 @dataclass(eq=False)
+class QueueClock:
+    """A queue deadline (time.monotonic()) that stops counting once a sample is scheduled."""
+
+    deadline: float
+    started: bool = False
+
+    def expired(self, now: float) -> bool:
+        return not self.started and self.deadline < now
+
+
+@dataclass(eq=False)
 class Request:
     """One sequence being generated. Mutated only by the scheduler thread."""
 
@@ -54,8 +65,9 @@ class Request:
     params: SamplingParams
     priority: int = 0  # smaller runs first (vLLM's convention)
     deadline: float | None = None  # time.monotonic() after which the request is aborted
-    # time.monotonic() after which a request never scheduled yet is aborted (QUEUE_TIMEOUT)
-    queue_deadline: float | None = None
+    # --max-queue-time: shared by a prompt's samples, so that once one is scheduled none of
+    # its siblings (deferred behind its prefill) is ended as "queued too long"
+    queue_clock: QueueClock | None = None
     # --- state -----------------------------------------------------------------------------
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -10,8 +10,9 @@ engine crash recovery and drain. Its methods stream the server's answer back: fi
 
 MciIngress is the OpenAI endpoint: it reads the body once, computes the prompt's routing key
 (router/app.py's rule) for the request router, and relays the replica's answer unchanged.
-Before the first byte, a replica that died or answered 5xx is replaced by another (Serve's
-router picks again); after it, a failure ends the stream with an error event.
+Before the first byte, a replica that failed, or answered 500/502/503 without Retry-After
+(an overload answer is the client's to act on), is excluded and another tried after a
+jittered backoff; after it, a failure ends the stream with an error event.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import asyncio
 import dataclasses
 import json
 import logging
+import random
 import socket
 import time
 
 import httpx
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -36,6 +38,7 @@ from mci.server.replica_process import ReplicaProcess
 log = logging.getLogger("mci")
 REPLICA_START_S = 600.0
 RETRY_STATUSES = (500, 502, 503)  # before the first byte: another replica may take it
+RETRY_BACKOFF_S = 0.05  # the first retry's mean delay; doubles per attempt, jittered
 HEALTH_TIMEOUT_S = 5.0
 
 
@@ -66,9 +69,9 @@ class MciReplica:
             base_url=self.replica.url, timeout=httpx.Timeout(None, connect=5.0)
         )
 
-    async def forward(self, path: str, body: bytes, routing_key, headers: dict):
+    async def forward(self, path: str, body: bytes, routing_key, headers: dict, exclude=()):
         """Stream the replica server's answer: a head dict, then the body's bytes.
-        (`routing_key` is for the request router; the body already holds the prompt.)"""
+        (`routing_key` and `exclude` are for the request router.)"""
         async with self.client.stream("POST", path, content=body, headers=headers) as response:
             yield {
                 "status": response.status_code,
@@ -84,15 +87,17 @@ class MciReplica:
         return response.status_code, response.headers.get("content-type", ""), response.content
 
     async def check_health(self) -> None:
-        """Ray Serve's health check: a replica whose server process is gone or unreachable is
-        replaced. A 503 (the server restarting its engine, which it does by itself) is not a
-        failure here."""
+        """Ray Serve's health check, on the server's liveness: a replica whose server is gone,
+        unreachable, or whose engine stays down (restart budget spent) is replaced. A server
+        restarting its engine (which it does by itself) is live."""
         if not self.replica.alive():
             raise RuntimeError(f"the mci server of replica {self.name} exited")
         try:
-            await self.client.get("/health", timeout=HEALTH_TIMEOUT_S)
+            response = await self.client.get("/livez", timeout=HEALTH_TIMEOUT_S)
         except httpx.TransportError as exc:
             raise RuntimeError(f"the mci server of replica {self.name} is unreachable") from exc
+        if response.status_code != 200:
+            raise RuntimeError(f"the engine of replica {self.name} is down for good")
 
     def __del__(self):
         # Ray Serve calls this on graceful shutdown (after in-flight requests finish, up to its
@@ -113,7 +118,7 @@ class MciIngress:
         path = request.url.path
         if request.method == "POST" and path in PROXIED:
             return await self._proxy(path, request)
-        if request.method == "GET" and path in ("/health", "/v1/models"):
+        if request.method == "GET" and path in ("/health", "/readyz", "/livez", "/v1/models"):
             return await self._get(path)
         if request.method == "GET" and path == "/ray/status":
             return JSONResponse(await asyncio.to_thread(_deployment_status))
@@ -122,7 +127,7 @@ class MciIngress:
     async def _get(self, path: str) -> Response:
         try:
             status, content_type, content = await self.replicas.get.remote(path)
-        except RayActorError:
+        except RayError:
             return _error(503, "no replica is available")
         return Response(content, status_code=status, media_type=content_type or None)
 
@@ -138,25 +143,30 @@ class MciIngress:
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
         key = routing_key(path, body)
-        last = "no replica is available"
-        for _ in range(self.max_retries + 1):
+        last, tried = "no replica is available", []
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
             stream = self.replicas.options(stream=True).forward.remote(
-                path=path, body=raw, routing_key=key, headers=headers
+                path=path, body=raw, routing_key=key, headers=headers, exclude=tuple(tried)
             )
             try:
                 head = await stream.__anext__()
-            except RayActorError as exc:
+            except RayError as exc:  # the replica actor, or its call to its server, failed
                 last = f"replica failed: {type(exc).__name__}"
                 continue
             except StopAsyncIteration:
                 last = "replica answered nothing"
                 continue
-            if head["status"] in RETRY_STATUSES:
+            if head["status"] in RETRY_STATUSES and not head["retry_after"]:
                 stream.cancel()
+                tried.append(head["replica"])
                 last = f"replica {head['replica']} answered {head['status']}"
                 continue
             return _relay(stream, head)
-        return _error(503, f"no replica could take the request ({last})")
+        response = _error(503, f"no replica could take the request ({last})")
+        response.headers["Retry-After"] = "1"
+        return response
 
 
 def _relay(stream, head: dict) -> StreamingResponse:
@@ -164,7 +174,7 @@ def _relay(stream, head: dict) -> StreamingResponse:
         try:
             async for chunk in stream:
                 yield chunk
-        except RayActorError:
+        except RayError:
             if head["content_type"].startswith("text/event-stream"):
                 error = {"error": {"message": f"replica {head['replica']} failed mid-stream"}}
                 yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()

@@ -1,7 +1,8 @@
 """mci's cache-aware policy (mci/router/policy.py) as Ray Serve's request router.
 
 Ray Serve calls `choose_replicas` for each request a handle sends to the replica deployment;
-the ingress passes the prompt's routing key as the `routing_key` keyword argument. The policy
+the ingress passes the prompt's routing key as the `routing_key` keyword argument, and on a
+retry the replicas that failed it as `exclude` (left out unless nothing else is left). The policy
 sees each replica as a `Worker`: its prefix tree of the prompts routed to it, its load from
 Ray Serve's queue-length cache. The chosen replica is ranked first and the rest after it, least
 loaded first, so that a full replica falls through to the next instead of stalling.
@@ -45,8 +46,12 @@ class CacheAwareRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        kwargs = pending_request.kwargs if pending_request else {}
+        excluded = set(kwargs.get("exclude") or ())
+        others = [r for r in candidate_replicas if r.replica_id.unique_id not in excluded]
+        candidate_replicas = others or candidate_replicas
         workers = [self._worker(r) for r in candidate_replicas]
-        key = pending_request.kwargs.get("routing_key") if pending_request else None
+        key = kwargs.get("routing_key")
         chosen = self.policy.choose(workers, key or "")
         if key:  # at once, so that requests arriving meanwhile follow this one
             chosen.tree.insert(key)

@@ -131,6 +131,8 @@ class Scheduler:
             if self.kv.available < n + reserve:
                 self.kv.release(req)
                 break  # keep priority order: nobody behind it jumps the queue
+            if req.queue_clock is not None:
+                req.queue_clock.started = True
             if req.num_preemptions == 0:
                 req.first_scheduled_time = time.monotonic()
                 req.num_cached_prompt_tokens = req.cached_len
@@ -260,11 +262,7 @@ class Scheduler:
         ]
         outputs = [self._abort(r, REQUEST_TIMEOUT) for r in expired]
         queued_too_long = [
-            r
-            for r in self.waiting
-            if r.queue_deadline is not None
-            and r.queue_deadline < now
-            and r.first_scheduled_time is None
+            r for r in self.waiting if r.queue_clock is not None and r.queue_clock.expired(now)
         ]
         return outputs + [self._abort(r, QUEUE_TIMEOUT) for r in queued_too_long]
 

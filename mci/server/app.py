@@ -170,10 +170,13 @@ def build_app(state: ServerState) -> FastAPI:
         """Readiness (Kubernetes' name): the same as /health."""
         return await health()
 
-    @app.get("/livez", response_model=HealthResponse)
+    @app.get("/livez", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def livez():
-        """Liveness: this process answers. 200 while the engine restarts (the server heals
-        itself; restarting the pod would only lose the requests kept for the new engine)."""
+        """Liveness: this process answers and can still serve. 200 while the engine restarts
+        (the server heals itself; restarting the pod would lose the requests kept for the new
+        engine); 503 once the restart budget is spent and the engine stays down."""
+        if state.client.gave_up:
+            return JSONResponse({"status": "engine down for good"}, 503)
         return {"status": "ok"}
 
     @app.get(

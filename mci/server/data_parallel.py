@@ -18,15 +18,11 @@ def serve_data_parallel(engine_config: EngineConfig, server_config: ServerConfig
     """N replicas on ports port+1 .. port+N (loopback), the cache-aware router on `port`."""
     n = server_config.dp_size
     threads = max(1, (os.cpu_count() or 1) // n)
-    replicas = [
-        ReplicaProcess(
-            engine_config,
-            dataclasses.replace(server_config, port=server_config.port + 1 + i),
-            threads,
-        )
-        for i in range(n)
-    ]
+    replicas: list[ReplicaProcess] = []
     try:
+        for i in range(n):
+            config = dataclasses.replace(server_config, port=server_config.port + 1 + i)
+            replicas.append(ReplicaProcess(engine_config, config, threads))
         deadline = time.monotonic() + REPLICA_START_S
         for replica in replicas:
             replica.wait_ready(deadline)

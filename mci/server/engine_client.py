@@ -21,8 +21,15 @@ heartbeat); a watchdog thread here declares it hung when nothing came for the wa
 timeout, reports not-ready at once (`ready`), SIGKILLs it (a stopped process dies too, so a
 later SIGCONT finds nothing) and the death takes the restart path above, counted in `hangs`.
 
+The watchdog's timeout (`watchdog_limit_s`) must exceed the longest legitimate step; by
+default it is derived from the longest step seen (kept across restarts). A request resent
+after a hang that is in flight at a second hang fails instead of being sent again, so one
+request that wedges the engine cannot spend the whole restart budget. Before declaring a hang
+the watchdog checks the pipe: a front end too busy to read is not a silent engine.
+
 No request waits forever: one still unscheduled at its queue deadline ends with
-QUEUE_TIMEOUT, in the engine or, while no engine runs, here.
+QUEUE_TIMEOUT, in the engine or, while no engine runs, here (requests kept for a restarted
+engine count as queued again).
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ HUNG = (
     "the engine stopped making progress and was restarted; this request had already produced output"
 )
 ENGINE_DEATH_ERRORS = (ENGINE_DIED, RESTARTED, HUNG)
+# A request in flight through two hangs may be what hangs the engine: it is not sent again.
+HUNG_TWICE = "the engine stopped making progress twice with this request in flight; not retried"
 RESTART_WINDOW_S = 600.0  # restarts counted against the budget over this long
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # before the 1st, 2nd, ... restart in the window
 # The watchdog's default timeout: this long, or this many times the longest step the engine
@@ -83,6 +92,9 @@ class EngineClient:
         self.restarts = 0  # engine restarts since the server started (a metric)
         self.hangs = 0  # engines killed by the watchdog (a metric)
         self._hung = False  # the current engine was declared hung
+        self._hang_survivors: set[str] = set()  # requests resent after a hang
+        self._longest_step_s = 0.0  # over every engine generation
+        self.gave_up = False  # the restart budget is spent: the engine stays down
         self._last_heard = time.monotonic()  # the engine's last message
         self._recent_restarts: deque[float] = deque()
         self._lock = threading.Lock()  # engine generation, submissions
@@ -241,8 +253,10 @@ class EngineClient:
     def watchdog_limit_s(self) -> float:
         if self.watchdog_timeout_s is not None:
             return self.watchdog_timeout_s
-        longest = float(self.stats.get("longest_step_s", 0.0))
-        return max(WATCHDOG_MIN_S, WATCHDOG_STEP_FACTOR * longest)
+        self._longest_step_s = max(
+            self._longest_step_s, float(self.stats.get("longest_step_s", 0.0))
+        )
+        return max(WATCHDOG_MIN_S, WATCHDOG_STEP_FACTOR * self._longest_step_s)
 
     # ---- receiving ----------------------------------------------------------------------------
     def _read(self, conn, generation: int) -> None:
@@ -306,6 +320,7 @@ class EngineClient:
             self._queues.pop(sid, None)
         self._submissions.pop(rid, None)
         self._started.discard(rid)
+        self._hang_survivors.discard(rid)
 
     # ---- death and restarts -------------------------------------------------------------------
     def _on_death(self, generation: int) -> None:
@@ -316,10 +331,20 @@ class EngineClient:
             process = self.process
         process.join(timeout=5)  # reap it: an exited engine is no zombie
         restart = not self._closing and self._may_restart()
+        self.gave_up = not restart and not self._closing
         with self._lock:
             failed = [rid for rid in self._submissions if not restart or rid in self._started]
+            twice = []
+            if restart and self._hung:
+                twice = [
+                    rid
+                    for rid in self._submissions
+                    if rid in self._hang_survivors and rid not in self._started
+                ]
+                self._hang_survivors.update(self._submissions)
             failing = [sid for rid in failed for sid in self._samples.get(rid, [])]
-            kept = len(self._submissions) - len(failed)
+            failing_twice = [sid for rid in twice for sid in self._samples.get(rid, [])]
+            kept = len(self._submissions) - len(failed) - len(twice)
         if not self._closing:
             log.error(
                 "engine process exited (code %s); failing %d request(s) that had started, %s",
@@ -329,6 +354,7 @@ class EngineClient:
             )
         reason = (HUNG if self._hung else RESTARTED) if restart else ENGINE_DIED
         self._deliver([RequestOutput.aborted(sid, reason) for sid in failing])
+        self._deliver([RequestOutput.aborted(sid, HUNG_TWICE) for sid in failing_twice])
         for loop, fut in list(self._state_waiters.values()):
             loop.call_soon_threadsafe(
                 lambda f=fut: f.done() or f.set_exception(EngineDied("engine restarting"))
@@ -351,6 +377,8 @@ class EngineClient:
         with self._lock:
             silent = time.monotonic() - self._last_heard
             if not self.alive or self._hung or silent <= limit:
+                return
+            if self._conn.poll(0):  # the engine spoke; the reader is behind (a busy front end)
                 return
             self._hung = True
             process = self.process
@@ -410,6 +438,7 @@ class EngineClient:
             return
 
     def _give_up(self) -> None:
+        self.gave_up = True
         with self._lock:
             failing = [sid for samples in self._samples.values() for sid in samples]
         log.error("engine restart budget spent; the engine stays down")
