@@ -172,6 +172,7 @@ def _assert_run_gone(server, engine_pid: int, follower: int) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # CI time (33 s); served TP 2 stays in CI through the stuck-rank test
 def test_served_tp2_and_a_killed_rank(checkpoint):
     """`mci serve --tp-size 2` (and --ep-size 2) answers the OpenAI client with one process's
     greedy tokens.
