@@ -55,13 +55,21 @@ CLIENT_BOUND_S = 120.0  # no client may wait longer than this for an answer
 WARMUP_SHARE = 0.25  # of the soak: RSS is compared against its end
 RSS_GROWTH_LIMIT = 0.05
 RSS_PEAK_LIMIT = 2**30
-RSS_JUDGED_FROM_S = 120.0  # shorter soaks report RSS growth without judging it
+RSS_JUDGED_FROM_S = 120.0
+# Clients drop idle connections before the server's keep-alive timeout (uvicorn: 5 s) does:
+# otherwise a request sent on a connection the server is closing meets a reset, a race of the
+# client's pool, not a server failure.
+KEEPALIVE_EXPIRY_S = 1.0  # shorter soaks report RSS growth without judging it
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _limits(max_connections: int = 100) -> httpx.Limits:
+    return httpx.Limits(max_connections=max_connections, keepalive_expiry=KEEPALIVE_EXPIRY_S)
 
 
 def _rss_bytes(pid: int) -> int:
@@ -251,9 +259,9 @@ async def disconnect_storm(server: Server, rng: random.Random) -> dict:
         body = {"prompt": _prompt(rng, 20), "max_tokens": 200, "ignore_eos": True}
         if i % 2:
             body["stream"] = True
-            async with httpx.AsyncClient(timeout=60) as c:
+            async with httpx.AsyncClient(limits=_limits(), timeout=60) as c:
                 return await completion(c, server.url, body, cut_after_chunks=rng.randint(1, 8))
-        async with httpx.AsyncClient(timeout=rng.uniform(0.1, 1.0)) as c:
+        async with httpx.AsyncClient(limits=_limits(), timeout=rng.uniform(0.1, 1.0)) as c:
             return await completion(c, server.url, body)
 
     outcomes = await asyncio.gather(*(one(i) for i in range(64)))
@@ -264,8 +272,7 @@ async def disconnect_storm(server: Server, rng: random.Random) -> dict:
 
 async def overload(server: Server, rng: random.Random) -> dict:
     n = 10 * (MAX_RUNNING + MAX_QUEUED)
-    limits = httpx.Limits(max_connections=n)
-    async with httpx.AsyncClient(timeout=CLIENT_BOUND_S, limits=limits) as c:
+    async with httpx.AsyncClient(timeout=CLIENT_BOUND_S, limits=_limits(n)) as c:
         bodies = [
             {"prompt": _prompt(rng, 10), "max_tokens": 8, "stream": bool(i % 2)} for i in range(n)
         ]
@@ -329,7 +336,7 @@ def _malformed_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
 async def malformed(server: Server, rng: random.Random) -> dict:
     statuses: Counter = Counter()
     five_xx = []
-    async with httpx.AsyncClient(timeout=60) as c:
+    async with httpx.AsyncClient(limits=_limits(), timeout=60) as c:
         for name, raw in _malformed_bodies(rng):
             for path in ("/v1/completions", "/v1/chat/completions"):
                 try:
@@ -357,7 +364,7 @@ def _load_in_background(server: Server, rng: random.Random, stop: threading.Even
     """Streams and plain requests, 8 at a time, until `stop`; outcomes appended to `out`."""
 
     async def worker(i: int):
-        async with httpx.AsyncClient(timeout=CLIENT_BOUND_S) as c:
+        async with httpx.AsyncClient(limits=_limits(), timeout=CLIENT_BOUND_S) as c:
             while not stop.is_set():
                 body = {
                     "prompt": _prompt(rng, 16),
@@ -497,6 +504,7 @@ class Soak:
             path, body, cut, kind = self._body()
             outcome = await completion(client, self.server.url, body, path, cut)
             outcome["t"] = time.monotonic() - self.start
+            outcome["kind"] = kind
             if outcome["status"] == 400 and kind == "near_limit":
                 outcome["status"] = "400_near_limit"  # over the context: a clear 400
             self.outcomes.append(outcome)
@@ -519,7 +527,7 @@ class Soak:
     async def _sample(self, until: float):
         pid_server = self.server.proc.pid
         engine = self.server.engine_pid()
-        async with httpx.AsyncClient(timeout=10) as c:
+        async with httpx.AsyncClient(limits=_limits(), timeout=10) as c:
             while time.monotonic() < until:
                 usage = None
                 try:
@@ -542,8 +550,7 @@ class Soak:
     async def _run(self):
         self.start = time.monotonic()
         until = self.start + self.seconds
-        limits = httpx.Limits(max_connections=512)
-        async with httpx.AsyncClient(timeout=CLIENT_BOUND_S, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=CLIENT_BOUND_S, limits=_limits(512)) as client:
             await asyncio.gather(
                 self._sample(until),
                 self._bursts(client, until),
@@ -563,7 +570,9 @@ class Soak:
         # a short soak's warm-up is too short to judge growth by (CI's run): reported only
         growth_ok = growth < RSS_GROWTH_LIMIT or self.seconds < RSS_JUDGED_FROM_S
         allowed = {"200_finished", "429", "cut_by_client", "400_near_limit"}
+        unexpected = [o for o in self.outcomes if set(tally([o])) - allowed]
         return {
+            "unexpected": unexpected[:20],  # for diagnosis: kind, time, status, message
             "seconds": self.seconds,
             "requests": len(self.outcomes),
             "counts": counts,
@@ -581,7 +590,7 @@ class Soak:
 
 
 async def _in_flight_during_sigterm(server: Server, rng: random.Random) -> list[dict]:
-    async with httpx.AsyncClient(timeout=CLIENT_BOUND_S) as c:
+    async with httpx.AsyncClient(limits=_limits(), timeout=CLIENT_BOUND_S) as c:
         bodies = [
             {
                 "prompt": _prompt(rng, 10),
