@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -81,3 +82,31 @@ class LiveServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def complete_into(url: str, prompt: str, max_tokens: int, results: dict, key) -> None:
+    """One greedy completion (EOS ignored), e.g. in a thread: results[key] = (status, body,
+    headers), or (None, the error, None) when the connection failed."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    try:
+        r = httpx.post(url + "/v1/completions", timeout=120, json=body)
+        results[key] = (r.status_code, r.json(), r.headers)
+    except httpx.HTTPError as exc:
+        results[key] = (None, str(exc), None)
+
+
+def long_request_then_queued(url: str, prompts: list[str], results: dict, send=complete_into):
+    """On a server with --max-running-requests 1: a 1,500-token request (key "long", sent by
+    `send`) that runs alone, then `prompts` queued behind it (8 tokens each, keys 0..n-1).
+    Returns the threads: (long, queued)."""
+    long = threading.Thread(target=send, args=(url, "x", 1500, results, "long"))
+    long.start()
+    time.sleep(1.0)
+    queued = [
+        threading.Thread(target=complete_into, args=(url, p, 8, results, i))
+        for i, p in enumerate(prompts)
+    ]
+    for t in queued:
+        t.start()
+    time.sleep(0.5)
+    return long, queued

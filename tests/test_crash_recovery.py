@@ -6,26 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import httpx
 import pytest
-from server_helpers import LiveServer
+from server_helpers import LiveServer, long_request_then_queued
+from server_helpers import complete_into as _complete
 
 PROMPTS = [f"def task_{i}(x):" for i in range(4)]
-
-
-def _complete(url: str, prompt: str, max_tokens: int, results: dict, key) -> None:
-    try:
-        r = httpx.post(
-            url + "/v1/completions",
-            timeout=120,
-            json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-        )
-        results[key] = (r.status_code, r.json())
-    except httpx.HTTPError as exc:
-        results[key] = (None, str(exc))
 
 
 @pytest.mark.slow  # CI: the same path through a hang (test_watchdog.py) and chaos's SIGKILL
@@ -38,20 +26,11 @@ def test_engine_killed_under_load_restarts_and_finishes_queued_requests(checkpoi
             _complete(server.url, p, 8, reference, i)
         engine_pid = server.state()["engine_pid"]
         results: dict = {}
-        long = threading.Thread(target=_complete, args=(server.url, "x", 1500, results, "long"))
-        long.start()  # runs alone (one running request at a time): the others queue
-        time.sleep(1.0)
-        queued = [
-            threading.Thread(target=_complete, args=(server.url, p, 8, results, i))
-            for i, p in enumerate(PROMPTS)
-        ]
-        for t in queued:
-            t.start()
-        time.sleep(0.5)
+        long, queued = long_request_then_queued(server.url, PROMPTS, results)
         os.kill(engine_pid, signal.SIGKILL)
         killed = time.monotonic()
         long.join(10)
-        status, body = results["long"]
+        status, body, _ = results["long"]
         assert status in (500, 503) and "already produced output" in body["error"]["message"]
         deadline = killed + 30
         while httpx.get(server.url + "/health").status_code != 200:
@@ -61,7 +40,7 @@ def test_engine_killed_under_load_restarts_and_finishes_queued_requests(checkpoi
         for t in queued:
             t.join(60)
         for i in range(len(PROMPTS)):
-            status, body = results[i]
+            status, body, _ = results[i]
             assert status == 200, body
             assert body["choices"][0]["text"] == reference[i][1]["choices"][0]["text"]
         assert server.state()["engine_pid"] != engine_pid

@@ -18,19 +18,11 @@ import time
 
 import httpx
 import pytest
-from server_helpers import LiveServer
+from server_helpers import LiveServer, long_request_then_queued
+from server_helpers import complete_into as _complete
 
 PROMPTS = [f"def task_{i}(x):" for i in range(4)]
 WATCHDOG_S = 2.0
-
-
-def _complete(url: str, prompt: str, max_tokens: int, results: dict, key) -> None:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    try:
-        r = httpx.post(url + "/v1/completions", timeout=120, json=body)
-        results[key] = (r.status_code, r.json(), r.headers)
-    except httpx.HTTPError as exc:
-        results[key] = (None, str(exc), None)
 
 
 def _stream(url: str, prompt: str, max_tokens: int, results: dict, key) -> None:
@@ -64,16 +56,7 @@ def test_sigstopped_engine_is_detected_killed_and_restarted(checkpoint):
             _complete(server.url, p, 8, reference, i)
         engine_pid = server.state()["engine_pid"]
         results: dict = {}
-        long = threading.Thread(target=_stream, args=(server.url, "x", 1500, results, "long"))
-        long.start()  # runs alone (one running request at a time): the others queue
-        time.sleep(1.0)
-        queued = [
-            threading.Thread(target=_complete, args=(server.url, p, 8, results, i))
-            for i, p in enumerate(PROMPTS)
-        ]
-        for t in queued:
-            t.start()
-        time.sleep(0.5)
+        long, queued = long_request_then_queued(server.url, PROMPTS, results, send=_stream)
         os.kill(engine_pid, signal.SIGSTOP)
         stopped = time.monotonic()
         try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import socket
 import sys
 
 import torch
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from mci.core_builder import build_engine_core
 from mci.engine_config import EngineConfig, ParallelConfig
 from mci.errors import UserError
+from mci.loopback import free_loopback_port
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.loader import load_model
 from mci.parallel.context import ParallelContext, init_process_group
@@ -34,12 +34,6 @@ from mci.parallel.rpc import ShardedModel, follow
 from mci.tokenizer import TextTokenizer
 
 log = logging.getLogger("mci")
-
-
-def _free_local_addr() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def _set_threads(par: ParallelConfig, device: str) -> None:
@@ -131,7 +125,7 @@ def load_sharded(
     model is a ShardedModel that drives the followers' shards, or under data-parallel
     attention rank 0's own model (a DataParallelCore drives the followers)."""
     par = config.parallel
-    init_addr = par.dist_init_addr or _free_local_addr()
+    init_addr = par.dist_init_addr or f"127.0.0.1:{free_loopback_port()}"
     procs = start_followers(config, init_addr)
     try:
         parallel = _join(config, 0, init_addr)

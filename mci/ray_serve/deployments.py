@@ -21,8 +21,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import random
-import socket
 import time
 
 import httpx
@@ -32,32 +30,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mci.engine_config import EngineConfig, ServerConfig
-from mci.router.app import PROXIED, routing_key
+from mci.loopback import free_loopback_port
+from mci.router.app import PROXIED, error_response, read_proxied, retry_delay_s, routing_key
 from mci.server.replica_process import ReplicaProcess
 
 log = logging.getLogger("mci")
 REPLICA_START_S = 600.0
 RETRY_STATUSES = (500, 502, 503)  # before the first byte: another replica may take it
-RETRY_BACKOFF_S = 0.05  # the first retry's mean delay; doubles per attempt, jittered
 HEALTH_TIMEOUT_S = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _error(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    return JSONResponse(body, status_code=status)
 
 
 class MciReplica:
     """One `mci serve` replica (a child process) as a Ray Serve replica."""
 
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, threads: int):
-        config = dataclasses.replace(server_config, port=_free_port())
+        config = dataclasses.replace(server_config, port=free_loopback_port())
         self.replica = ReplicaProcess(engine_config, config, threads)
         try:
             self.replica.wait_ready(time.monotonic() + REPLICA_START_S)
@@ -122,31 +109,25 @@ class MciIngress:
             return await self._get(path)
         if request.method == "GET" and path == "/ray/status":
             return JSONResponse(await asyncio.to_thread(_deployment_status))
-        return _error(404, f"no route {request.method} {path}", "not_found_error")
+        return error_response(404, f"no route {request.method} {path}", "not_found_error")
 
     async def _get(self, path: str) -> Response:
         try:
             status, content_type, content = await self.replicas.get.remote(path)
         except RayError:
-            return _error(503, "no replica is available")
+            return error_response(503, "no replica is available")
         return Response(content, status_code=status, media_type=content_type or None)
 
     async def _proxy(self, path: str, request: Request) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object", "invalid_request_error")
-        headers = {"content-type": "application/json"}
-        if "authorization" in request.headers:
-            headers["authorization"] = request.headers["authorization"]
+        parsed = await read_proxied(request)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        raw, body, headers = parsed
         key = routing_key(path, body)
         last, tried = "no replica is available", []
         for attempt in range(self.max_retries + 1):
             if attempt:
-                await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+                await asyncio.sleep(retry_delay_s(attempt))
             stream = self.replicas.options(stream=True).forward.remote(
                 path=path, body=raw, routing_key=key, headers=headers, exclude=tuple(tried)
             )
@@ -164,7 +145,7 @@ class MciIngress:
                 last = f"replica {head['replica']} answered {head['status']}"
                 continue
             return _relay(stream, head)
-        response = _error(503, f"no replica could take the request ({last})")
+        response = error_response(503, f"no replica could take the request ({last})")
         response.headers["Retry-After"] = "1"
         return response
 

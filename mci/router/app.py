@@ -26,6 +26,7 @@ from mci.router.metrics import RouterMetrics
 from mci.router.policy import make_policy
 from mci.router.resume import StreamRelay
 from mci.router.workers import Worker, WorkerPool
+from mci.server.errors import error_body
 
 log = logging.getLogger("mci")
 
@@ -52,9 +53,29 @@ def routing_key(path: str, body: dict):
     return prompt if isinstance(prompt, str) else ""
 
 
-def _error(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    return JSONResponse(body, status_code=status)
+def error_response(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:
+    return JSONResponse(error_body(message, kind), status_code=status)
+
+
+def retry_delay_s(attempt: int) -> float:
+    """Before retry `attempt` (1, 2, ...): jittered exponential backoff."""
+    return BACKOFF_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
+
+
+async def read_proxied(request: Request) -> tuple[bytes, dict, dict] | JSONResponse:
+    """A proxied request's raw body, its parsed JSON object and the headers to forward (the
+    API key included); a 400 response when the body is not a JSON object."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return error_response(400, "the body is not valid JSON", "invalid_request_error")
+    if not isinstance(body, dict):
+        return error_response(400, "the body must be a JSON object", "invalid_request_error")
+    headers = {"content-type": "application/json"}
+    if "authorization" in request.headers:
+        headers["authorization"] = request.headers["authorization"]
+    return raw, body, headers
 
 
 class Router:
@@ -81,7 +102,7 @@ class Router:
         for attempt in range(self.config.max_retries + 1):
             if attempt:
                 self.metrics.retries.inc()
-                await asyncio.sleep(BACKOFF_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+                await asyncio.sleep(retry_delay_s(attempt))
             candidates = self.pool.available(tried)
             if not candidates:
                 break
@@ -122,19 +143,13 @@ class Router:
             self.pool.succeeded(worker)
             worker.requests += 1
             return worker, upstream
-        return _error(503, f"no replica could take the request ({last})")
+        return error_response(503, f"no replica could take the request ({last})")
 
     async def proxy(self, path: str, request: Request) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object", "invalid_request_error")
-        headers = {"content-type": "application/json"}
-        if "authorization" in request.headers:
-            headers["authorization"] = request.headers["authorization"]
+        parsed = await read_proxied(request)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        raw, body, headers = parsed
         key = routing_key(path, body)
         relay = None
         if body.get("stream") and not self.config.disable_stream_resume:
@@ -217,7 +232,7 @@ def build_router_app(router: Router) -> FastAPI:
     async def health():
         if router.pool.available():
             return Response("ok")
-        return _error(503, "no replica is available")
+        return error_response(503, "no replica is available")
 
     @app.get("/v1/models")
     async def models():
@@ -227,7 +242,7 @@ def build_router_app(router: Router) -> FastAPI:
             except httpx.HTTPError:
                 continue
             return Response(r.content, status_code=r.status_code, media_type="application/json")
-        return _error(503, "no replica is available")
+        return error_response(503, "no replica is available")
 
     @app.get("/workers")
     async def workers():
@@ -238,9 +253,7 @@ def build_router_app(router: Router) -> FastAPI:
                     "available": w.available,
                     "in_flight": w.in_flight,
                     "requests": w.requests,
-                    "estimated_cache_hit_rate": w.matched_chars / w.prompt_chars
-                    if w.prompt_chars
-                    else 0.0,
+                    "estimated_cache_hit_rate": w.estimated_cache_hit_rate,
                     "ejections": w.ejections,
                     "readmissions": w.readmissions,
                 }
@@ -253,7 +266,7 @@ def build_router_app(router: Router) -> FastAPI:
         body = await request.json()
         url = body.get("url") if isinstance(body, dict) else None
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            return _error(400, "give {'url': 'http://host:port'}", "invalid_request_error")
+            return error_response(400, "give {'url': 'http://host:port'}", "invalid_request_error")
         router.pool.add(url)
         await router.check_health()
         return {"added": url.rstrip("/")}
@@ -263,7 +276,7 @@ def build_router_app(router: Router) -> FastAPI:
         body = await request.json()
         url = body.get("url") if isinstance(body, dict) else None
         if not isinstance(url, str) or not router.pool.remove(url):
-            return _error(404, f"no worker {url!r}", "invalid_request_error")
+            return error_response(404, f"no worker {url!r}", "invalid_request_error")
         return {"removed": url.rstrip("/")}
 
     @app.get("/metrics")

@@ -66,8 +66,7 @@ class _PoolCollector:
             families["requests"].add_metric([w.url], w.requests)
             families["ejections"].add_metric([w.url], w.ejections)
             families["readmissions"].add_metric([w.url], w.readmissions)
-            rate = w.matched_chars / w.prompt_chars if w.prompt_chars else 0.0
-            families["hit"].add_metric([w.url], rate)
+            families["hit"].add_metric([w.url], w.estimated_cache_hit_rate)
             families["in_flight"].add_metric([w.url], w.in_flight)
             families["available"].add_metric([w.url], 1.0 if w.available else 0.0)
         yield from families.values()

@@ -31,6 +31,11 @@ class Worker:
     readmissions: int = 0
 
     @property
+    def estimated_cache_hit_rate(self) -> float:
+        """The share of the prompt characters routed here that its tree held."""
+        return self.matched_chars / self.prompt_chars if self.prompt_chars else 0.0
+
+    @property
     def available(self) -> bool:
         return self.healthy and time.monotonic() >= self.open_until
 
