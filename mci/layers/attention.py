@@ -101,9 +101,19 @@ class MultiHeadLatentAttention(nn.Module):
     def set_batch_invariant(self, enabled: bool) -> None:
         self.fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
 
-    def _per_head(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _per_head(self, x: torch.Tensor, weights: torch.Tensor, rows_major: torch.Tensor):
         """x [N, H, a] @ weights [H, a, b] -> [N, H, b], one batched matmul over the heads, at
-        bucketed row counts (or fixed ones: batch invariance)."""
+        bucketed row counts (or fixed ones: batch invariance). A few rows (decode) go through
+        the CPU's skinny kernels instead, with the same weights laid out [H, b, a]
+        (`rows_major`): each head is one "expert" of mci/kernels/cpu_matvec.py."""
+        n, h, a = x.shape
+        matvec = None if self.fixed_rows is not None else self.kv_b_proj.skinny(n)
+        if matvec is not None:
+            heads = torch.arange(h)
+            segments = torch.stack((heads, heads * n, torch.full((h,), n)))
+            by_head = x.transpose(0, 1).reshape(h * n, a)  # [H*N, a], head-major
+            out = matvec.expert_linear(by_head, rows_major, segments)
+            return out.view(h, n, -1).transpose(0, 1)
 
         def bmm(rows: torch.Tensor) -> torch.Tensor:
             return torch.bmm(rows.transpose(0, 1), weights).transpose(0, 1)
@@ -160,15 +170,23 @@ class MultiHeadLatentAttention(nn.Module):
             out = self._expanded(q_nope, q_rope, context, group)
         return out.reshape((-1,) + out.shape[2:])  # [B*Q, H, v]
 
-    def _absorb_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _absorb_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """W_UK [H, nope, kv_lora] and W_UV^T [H, kv_lora, v] of kv_b_proj, contiguous, as the
-        absorbed path's bmms take them. Under inference mode they are made once per dtype
-        (weights do not change while serving; FP8 is dequantised once, not per step)."""
+        absorbed path's bmms take them, then the same two as the skinny kernels take them
+        (W_UK^T [H, kv_lora, nope], W_UV [H, v, kv_lora]). Under inference mode they are made
+        once per dtype (weights do not change while serving; FP8 is dequantised once, not per
+        step)."""
         cache = self._absorb_cache
         if dtype in cache:
             return cache[dtype]
         w = self.kv_b_proj.dense_weight(dtype).view(self.num_heads, self.nope + self.v_dim, -1)
-        weights = w[:, : self.nope].contiguous(), w[:, self.nope :].transpose(1, 2).contiguous()
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        weights = (
+            w_uk.contiguous(),
+            w_uv.transpose(1, 2).contiguous(),
+            w_uk.transpose(1, 2).contiguous(),
+            w_uv.contiguous(),
+        )
         if torch.is_inference_mode_enabled():
             cache[dtype] = weights
         return weights
@@ -177,9 +195,9 @@ class MultiHeadLatentAttention(nn.Module):
         """q_*: [B, Q, H, *], context [B, L, D] -> [B, Q, H, v]."""
         b, q_len, h, _ = q_nope.shape
         length = context.shape[1]
-        w_uk, w_uv_t = self._absorb_weights(q_nope.dtype)
+        w_uk, w_uv_t, w_uk_t, w_uv = self._absorb_weights(q_nope.dtype)
         # q_lat[n, h] = W_UK_h^T q_nope[n, h]: [H, N, nope] @ [H, nope, kv_lora] -> [N, H, kv_lora]
-        q_lat = self._per_head(q_nope.reshape(b * q_len, h, -1), w_uk)
+        q_lat = self._per_head(q_nope.reshape(b * q_len, h, -1), w_uk, w_uk_t)
         q_full = torch.cat((q_lat, q_rope.reshape(b * q_len, h, -1)), dim=-1)  # [N, H, D]
         d = q_full.shape[-1]
         # All heads share the single latent key/value, so the Q*H (query, head) pairs attend as
@@ -199,7 +217,7 @@ class MultiHeadLatentAttention(nn.Module):
         )  # [B, 1, Q*H, kv_lora + rope]
         out_lat = out.view(b * q_len, h, d)[..., : self.kv_lora_rank]
         # out[n, h] = W_UV_h out_lat[n, h]: [H, N, kv_lora] @ [H, kv_lora, v] -> [N, H, v]
-        out = self._per_head(out_lat, w_uv_t)
+        out = self._per_head(out_lat, w_uv_t, w_uv)
         return out.reshape(b, q_len, h, self.v_dim)
 
     def _expanded(self, q_nope, q_rope, context, group: AttentionGroup) -> torch.Tensor:

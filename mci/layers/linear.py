@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mci.kernels import cpu_matvec
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 
@@ -143,6 +145,7 @@ class Linear(nn.Module):
         weight = torch.empty(*lead, self.out_features, in_features, dtype=wdtype)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self._packed: list[torch.Tensor] | None = None  # oneDNN copy, per expert when stacked
+        self.matvec: cpu_matvec.MatvecLibrary | None = None  # skinny-matmul kernels (CPU)
         self.fixed_rows: int | None = None  # rows per call, for batch invariance (see above)
         if fp8_block is None:
             return
@@ -174,23 +177,39 @@ class Linear(nn.Module):
         full_scale = scale[self.row_block][:, self.col_block]  # [out, in]
         return (weight.to(torch.float32) * full_scale).to(dtype)
 
-    def pack_for_cpu(self) -> bool:
+    def pack_for_cpu(self, skinny_kernels: bool = True) -> bool:
         """Keep a oneDNN-packed copy of a bf16 weight for `forward` (inference on the CPU;
-        FP8 stays one byte per parameter). Costs one more copy of the weight. Returns whether
-        it packed."""
+        FP8 stays one byte per parameter). Costs one more copy of the weight. With
+        `skinny_kernels`, calls of a few rows use mci/kernels/cpu_matvec.py where it runs.
+        Returns whether it packed."""
         w = self.weight
         if w.dtype != torch.bfloat16 or not can_pack(w):
             return False
         if self._packed is None:
             self._packed = [pack_weight(r) for r in ([w] if w.dim() == 2 else list(w))]
+        self.matvec = cpu_matvec.load() if skinny_kernels else None
         return True
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Run every packed matmul at exactly `BATCH_INVARIANT_ROWS` rows (see above)."""
         self.fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
 
+    def skinny(self, rows: int) -> cpu_matvec.MatvecLibrary | None:
+        """The skinny-matmul kernels when a call of `rows` rows should use them: packed for
+        the CPU, at most `cpu_matvec.MAX_ROWS` rows, and not batch-invariant (that mode keeps
+        one kernel, oneDNN's, for every row count)."""
+        if self.matvec is None or self.fixed_rows is not None or rows > cpu_matvec.MAX_ROWS:
+            return None
+        return self.matvec
+
     def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
         if self._packed is not None and x.dtype == self.weight.dtype and not x.requires_grad:
+            rows = x.numel() // x.shape[-1]
+            matvec = self.skinny(rows)
+            if matvec is not None:
+                weight = self.weight if expert is None else self.weight[expert]
+                out = matvec.linear(x.reshape(rows, x.shape[-1]), weight)
+                return out.view(x.shape[:-1] + out.shape[-1:])
             packed = self._packed[0 if expert is None else expert]
             return packed_linear(x, packed, self.fixed_rows)
         return F.linear(x, self.dense_weight(x.dtype, expert))

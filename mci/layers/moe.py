@@ -79,6 +79,8 @@ class RoutedExperts(nn.Module):
 
     * looped: one matmul pair per *active* expert (never per token) — reads only the weights
       of the experts in use, the right choice when few are (a decode step of a few requests);
+    * skinny: the loop's work in two calls of the CPU kernels (mci/kernels/), when every
+      active expert has a few tokens (a decode step of a few requests);
     * grouped: every expert's tokens padded to a common count and run as two batched matmuls
       over all experts — two calls instead of two per expert, the right choice when most
       experts are in use anyway (a batch of decodes), where the loop's per-call
@@ -154,6 +156,8 @@ class RoutedExperts(nn.Module):
             and capacity * self.num_experts <= self.GROUPED_MAX_PADDING * len(order)
         ):
             out_sorted = self._grouped(x_sorted, flat_ids[order], counts, capacity)
+        elif (matvec := self.gate_up_proj.skinny(max(counts_list))) is not None:
+            out_sorted = self._skinny(matvec, x_sorted, counts_list)
         else:
             out_sorted = self._looped(x_sorted, counts_list)
         # Weighted and summed in float32 (one rounding fewer per expert output than bf16).
@@ -171,6 +175,18 @@ class RoutedExperts(nn.Module):
             out_sorted[start : start + count] = self.down_proj(F.silu(gate) * up, expert)
             start += count
         return out_sorted
+
+    def _skinny(self, matvec, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The loop's result in two kernel calls (mci/kernels/cpu_matvec.py): every active
+        expert's few rows, each call reading only the active experts' weights."""
+        ids = [e for e, c in enumerate(counts) if c]
+        sizes = [counts[e] for e in ids]
+        starts = [0]
+        for c in sizes[:-1]:
+            starts.append(starts[-1] + c)
+        segments = torch.tensor([ids, starts, sizes], dtype=torch.long)
+        gate, up = matvec.expert_linear(x_sorted, self.gate_up_proj.weight, segments).chunk(2, -1)
+        return matvec.expert_linear(F.silu(gate) * up, self.down_proj.weight, segments)
 
     def _grouped(self, x_sorted, sorted_ids, counts, capacity: int) -> torch.Tensor:
         """x_sorted [A, H] (A assignments, sorted by expert) -> expert outputs [A, H]."""

@@ -73,10 +73,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Latent rows per token with the MTP modules' rows (see `allocate_kv_cache`)."""
         return self.cfg.num_hidden_layers + len(self.mtp)
 
-    def pack_for_cpu(self) -> int:
+    def pack_for_cpu(self, skinny_kernels: bool = True) -> int:
         """Pack every unquantised linear weight for oneDNN (see layers/linear.py) before
-        serving on the CPU; returns how many layers were packed. Idempotent."""
-        return sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
+        serving on the CPU, and with `skinny_kernels` use mci/kernels/ for matmuls of a few
+        rows where they run; returns how many layers were packed. Idempotent."""
+        return sum(m.pack_for_cpu(skinny_kernels) for m in self.modules() if isinstance(m, Linear))
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """With `enabled`, compute every token's logits bit-identically whatever else shares

@@ -1,0 +1,130 @@
+"""Skinny bf16 matmuls on the CPU (decode sizes: a few rows), from cpu_matvec.c.
+
+At 1-3 rows oneDNN's bf16 matmul is call-overhead and kernel bound, far below the memory
+bandwidth a weight read needs (measured on a 512x512 weight: ~60 us, against ~7 us for this
+kernel with the weight in cache, ~40 us from L3). A single-stream decode step is ~100 such
+calls, so this is where its time went.
+
+The C source is compiled once per machine with the system's C compiler into a cache folder
+(`$XDG_CACHE_HOME/mci/kernels`, keyed by the source's hash), then loaded with ctypes, which
+releases the GIL during each call. `load()` returns None, and callers keep oneDNN, when the
+CPU lacks AVX512-BF16, there is no C compiler, the build fails, or `MCI_CPU_MATVEC=0`.
+
+Results match oneDNN's packed bf16 matmul (float32 sums of exact bf16 products, rounded once
+to nearest even; measured equal on all but a few elements in 10,000, by one bf16 ulp), and a
+row's result never depends on the other rows of the call (see the C file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_matvec.c")
+FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+         "-mavx512bf16", "-mfma"]  # fmt: skip
+# Above this many rows oneDNN's AMX kernels win (measured: at 4 rows they are at par).
+MAX_ROWS = 3
+
+
+def _cpu_supports() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags and " avx512bw" in flags
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *FLAGS, "-o", str(out), str(SOURCE)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        out.replace(target)  # atomic: concurrent builders each install a complete file
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> MatvecLibrary | None:
+    """The compiled kernels, or None where they cannot run here (see the module docstring)."""
+    if os.environ.get("MCI_CPU_MATVEC", "1") == "0" or not _cpu_supports():
+        return None
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    target = cache / "mci" / "kernels" / f"cpu_matvec-{digest}.so"
+    try:
+        if not target.exists():
+            _build(target)
+        return MatvecLibrary(ctypes.CDLL(str(target)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("CPU matvec kernels unavailable (%s); using oneDNN", exc)
+        return None
+
+
+class MatvecLibrary:
+    """Typed entry points of the compiled library. Inputs: bf16 CPU tensors, weights
+    contiguous, activations with a unit last-dimension stride."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        ptr, long = ctypes.c_void_p, ctypes.c_long
+        self._linear = lib.mci_bf16_linear
+        self._linear.argtypes = [ptr, long, ptr, ptr, long, long, long, long]
+        self._linear.restype = None
+        self._experts = lib.mci_bf16_expert_linear
+        self._experts.argtypes = [ptr, long, ptr, ptr, long, ptr, ptr, ptr, long, long, long]
+        self._experts.restype = None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [m, k] @ weight [n, k]^T -> [m, n], bf16."""
+        m, k = x.shape
+        n = weight.shape[0]
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        self._linear(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), n, m, n, k)
+        return y
+
+    def expert_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, segments: torch.Tensor
+    ) -> torch.Tensor:
+        """x [A, k] (rows grouped by expert), stacked weight [E, n, k], segments int64 [3, S]
+        (expert id, first row, row count of each group) -> [A, n], bf16: each group of rows
+        through its expert."""
+        a, k = x.shape
+        n = weight.shape[1]
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty(a, n, dtype=torch.bfloat16)
+        ids, starts, counts = segments
+        self._experts(
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            y.data_ptr(),
+            n,
+            ids.data_ptr(),
+            starts.data_ptr(),
+            counts.data_ptr(),
+            segments.shape[1],
+            n,
+            k,
+        )
+        return y

@@ -1,0 +1,78 @@
+"""The skinny-row bf16 kernels (mci/kernels/cpu_matvec.py): exact sums rounded once, rows
+independent of each other, experts and heads as segments, and a model using them stays with
+the oneDNN model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import stepwise_logits
+
+from mci.kernels import cpu_matvec
+from mci.models.loader import load_model
+
+matvec = cpu_matvec.load()
+pytestmark = pytest.mark.skipif(matvec is None, reason="no AVX512-BF16 CPU or no C compiler")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float64 sums of the bf16 products, rounded once to bf16."""
+    return (x.double() @ w.double().t()).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("k, n", [(512, 512), (256, 1280), (100, 37), (1536, 7), (32, 4)])
+def test_linear_is_the_exact_sum_rounded_once_and_rows_are_independent(k, n):
+    g = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(9, k, generator=g).to(torch.bfloat16)
+    out = matvec.linear(x, w)
+    ref = _reference(x, w)
+    # float32 accumulation: at most one bf16 step from the float64 sum, and nearly always on it
+    ulp = ref.float().abs().clamp(min=1e-3) * 2.0**-7
+    assert ((out.float() - ref.float()).abs() <= ulp).all()
+    assert (out == ref).float().mean() > 0.99
+    for rows in (1, 2, 3):  # a row's result never depends on the rows beside it
+        for start in range(0, 9 - rows + 1, 2):
+            assert torch.equal(matvec.linear(x[start : start + rows], w), out[start : start + rows])
+    strided = torch.randn(3, 2 * k, generator=g).to(torch.bfloat16)[:, :k]  # row stride 2k
+    assert torch.equal(matvec.linear(strided, w), matvec.linear(strided.contiguous(), w))
+
+
+def test_expert_linear_runs_each_segment_through_its_expert():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 96, 160, generator=g).to(torch.bfloat16)
+    x = torch.randn(7, 160, generator=g).to(torch.bfloat16)
+    segments = torch.tensor([[4, 0, 5], [0, 3, 4], [3, 1, 3]])  # expert, first row, rows
+    out = matvec.expert_linear(x, w, segments)
+    expected = torch.cat(
+        [matvec.linear(x[0:3], w[4]), matvec.linear(x[3:4], w[0]), matvec.linear(x[4:7], w[5])]
+    )
+    assert torch.equal(out, expected)
+
+
+def test_a_model_on_the_kernels_stays_with_the_onednn_model(checkpoint):
+    """Decode steps (one row) take the kernels; their logits stay within bf16 rounding of the
+    oneDNN-only model's, step after step."""
+    path = checkpoint(dtype="bfloat16")
+    ids = torch.randint(0, 2048, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    onednn = load_model(path, "bfloat16")
+    onednn.pack_for_cpu(skinny_kernels=False)
+    kernels = load_model(path, "bfloat16")
+    kernels.pack_for_cpu()
+    assert any(getattr(m, "matvec", None) is not None for m in kernels.modules())
+    a = stepwise_logits(onednn, ids, "auto", first_chunk=4)
+    b = stepwise_logits(kernels, ids, "auto", first_chunk=4)
+    assert (a - b).abs().max() < 0.05
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    kernels.set_batch_invariant(True)  # batch-invariant mode keeps oneDNN's kernel throughout
+    assert all(m.skinny(1) is None for m in kernels.modules() if hasattr(m, "skinny"))
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("MCI_CPU_MATVEC", "0")
+    cpu_matvec.load.cache_clear()
+    try:
+        assert cpu_matvec.load() is None
+    finally:
+        monkeypatch.delenv("MCI_CPU_MATVEC")
+        cpu_matvec.load.cache_clear()
