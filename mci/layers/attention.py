@@ -95,7 +95,8 @@ class MultiHeadLatentAttention(nn.Module):
             cfg.kv_lora_rank, h * (self.nope + self.v_dim), dtype, fp8_block
         )
         self.o_proj = make_linear(h * self.v_dim, hidden, dtype, fp8_block)
-        self._absorb_cache: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._absorb_cache: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
+        self._head_segments: dict[int, torch.Tensor] = {}  # rows -> the kernels' segments
         self.fixed_rows: int | None = None  # rows per batched matmul, for batch invariance
 
     def set_batch_invariant(self, enabled: bool) -> None:
@@ -109,8 +110,12 @@ class MultiHeadLatentAttention(nn.Module):
         n, h, a = x.shape
         matvec = None if self.fixed_rows is not None else self.kv_b_proj.skinny(n)
         if matvec is not None:
-            heads = torch.arange(h)
-            segments = torch.stack((heads, heads * n, torch.full((h,), n)))
+            segments = self._head_segments.get(n)
+            if segments is None:  # head h: rows h*N .. h*N + N - 1 of the head-major input
+                heads = torch.arange(h)
+                segments = self._head_segments[n] = torch.stack(
+                    (heads, heads * n, torch.full((h,), n))
+                )
             by_head = x.transpose(0, 1).reshape(h * n, a)  # [H*N, a], head-major
             out = matvec.expert_linear(by_head, rows_major, segments)
             return out.view(h, n, -1).transpose(0, 1)
