@@ -5,6 +5,8 @@ a data-parallel rank builds its own core here too)."""
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import torch
 
@@ -79,6 +81,14 @@ def build_engine_core(
         log.info(
             "deterministic (batch-invariant) inference %s", "on" if model.batch_invariant else "off"
         )
+    if device.type == "cpu" and not (
+        config.model.skip_kernel_warmup or os.environ.get("MCI_SKIP_KERNEL_WARMUP") == "1"
+    ):
+        start = time.monotonic()
+        # a step's tokens: a full prefill budget beside a decode token of every running request
+        max_rows = config.scheduler.max_prefill_tokens + config.scheduler.max_running_requests
+        calls = model.warm_up_cpu_kernels(max_rows)
+        log.info("warmed up %d CPU matmul shapes in %.1f s", calls, time.monotonic() - start)
     speculator = None
     if spec.enabled:
         if with_mtp:

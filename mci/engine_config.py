@@ -42,6 +42,12 @@ class ModelPlacement:
         "CPU); also spelled --enable-deterministic-inference",
         aliases=("--enable-deterministic-inference",),
     )
+    skip_kernel_warmup: bool = _opt(
+        False,
+        "CPU: skip running every matmul shape once at startup (oneDNN compiles a kernel per "
+        "shape, ~3 ms each; without the warm-up the first requests of each size pay it). "
+        "MCI_SKIP_KERNEL_WARMUP=1 does the same (the test suite sets it)",
+    )
 
 
 @dataclass(frozen=True)

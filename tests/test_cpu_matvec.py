@@ -50,6 +50,30 @@ def test_expert_linear_runs_each_segment_through_its_expert():
     assert torch.equal(out, expected)
 
 
+def test_latent_decode_attention_reads_the_cache_through_slots():
+    """Equal to softmax attention over the gathered rows (float64 reference), within bf16
+    rounding; padding slots past a sequence's length are never read; sequences independent."""
+    g = torch.Generator().manual_seed(1)
+    heads, d, c, scale = 8, 160, 128, 0.1
+    cache = torch.randn(300, d, generator=g).to(torch.bfloat16)
+    lengths = torch.tensor([37, 1, 200, 16])
+    slots = torch.zeros(4, 200, dtype=torch.long)
+    for b, n in enumerate(lengths.tolist()):
+        slots[b, :n] = torch.randperm(299, generator=g)[:n] + 1
+    slots[0, 37:] = 10**9  # never read: far outside the cache
+    q = torch.randn(4, heads, d, generator=g).to(torch.bfloat16)
+    out = matvec.latent_decode_attention(q, cache, slots, lengths, c, scale)
+    for b, n in enumerate(lengths.tolist()):
+        rows = cache[slots[b, :n]].double()  # [n, d]
+        p = torch.softmax(q[b].double() @ rows.t() * scale, dim=-1)
+        ref = p @ rows[:, :c]
+        assert (out[b].double() - ref).abs().max() < 0.01, b
+        alone = matvec.latent_decode_attention(
+            q[b : b + 1], cache, slots[b : b + 1], lengths[b : b + 1], c, scale
+        )
+        assert torch.equal(alone[0], out[b])
+
+
 def test_a_model_on_the_kernels_stays_with_the_onednn_model(checkpoint):
     """Decode steps (one row) take the kernels; their logits stay within bf16 rounding of the
     oneDNN-only model's, step after step."""

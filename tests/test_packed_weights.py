@@ -57,3 +57,21 @@ def test_padded_rows_do_not_change_the_rows_kept():
     for rows in (1, 5, 17, 100, 257, 700):  # exact, and padded in every bucket range
         assert torch.equal(layer(x[:rows]), unpadded(rows))
     assert torch.equal(layer(x[:60].view(3, 20, 512)), unpadded(60).view(3, 20, -1))
+
+
+def test_kernel_warm_up_runs_every_bucketed_shape_once(checkpoint):
+    """Every packed weight shape at every bucketed row count, the absorbed attention's two
+    per-head matmuls at the same counts, the grouped experts' two at 16 capacities; and it
+    leaves the model's outputs alone."""
+    from mci.layers.linear import Linear, bucket_sizes
+
+    model = load_model(checkpoint(dtype="bfloat16"), "bfloat16")
+    model.pack_for_cpu()
+    ids = torch.randint(0, 2048, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    before = prefill_logits(model, ids)
+    shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear)}
+    sizes = bucket_sizes(300)
+    assert sizes[:17] == list(range(1, 17)) + [32] and sizes[-1] == 320
+    expected = len(shapes) * len(sizes) + 2 * len(sizes) + 2 * 16
+    assert model.warm_up_cpu_kernels(300) == expected
+    assert torch.equal(prefill_logits(model, ids), before)

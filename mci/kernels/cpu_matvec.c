@@ -13,7 +13,9 @@
  * (libgomp.so.1 is already loaded when this library is), so the two share one thread pool.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <stdint.h>
 
 #define TOKENS 4 /* rows of x per pass over a weight block */
@@ -139,4 +141,138 @@ void mci_bf16_expert_linear(const uint16_t *x, long ldx, const uint16_t *w, uint
             rows_range(x + starts[s] * ldx, ldx, w + ids[s] * n * k, k, y + starts[s] * ldy, ldy,
                        counts[s], n0, n1);
     }
+}
+
+/* ---- decode attention over latent rows read through slot indices (MLA, absorbed) ---------
+ * One query row per sequence (decode): for sequence b and head h,
+ *   s[l] = scale * <q[b, h, :], cache[slots[b, l], :]>        l < lens[b]   (float32 sums)
+ *   p    = softmax(s)                                         (float32)
+ *   out[b, h, :] = sum_l p[l] * cache[slots[b, l], :c]        rounded once to bf16
+ * q [B, H, d] bf16 contiguous; cache [rows, d] bf16 (one layer's latent rows); slots [B, lds]
+ * int64; out [B, H, c] bf16 contiguous (c <= d: the latent part of each row, the value).
+ * The cache is read in place: no gathered copy of the context. Work is split over
+ * (sequence, group of heads); each (b, h) is computed alone, in the same order whatever the
+ * batch, so a sequence's result never depends on the others. */
+
+static inline __m512 exp512(__m512 x) {
+    /* e^x = 2^n * e^r, r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial for e^r
+     * (relative error ~2e-7, float32 rounding level); x below -87.3 gives 0. */
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+    r = _mm512_fnmadd_ps(n, ln2_lo, r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+#define MAX_HEADS_PER_ITEM 16
+#define MAX_LATENT 1024 /* c: DeepSeek-V3 has 512 */
+
+static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const int64_t *slots,
+                       long len, long c, float scale, uint16_t *out, int heads, float *scores) {
+    const long d_full = d & ~31L;
+    const __mmask32 d_tail = (__mmask32)((1ULL << (d - d_full)) - 1);
+    /* pass 1: scores [heads][len] */
+    for (long l = 0; l < len; l++) {
+        const uint16_t *row = cache + slots[l] * d;
+        for (int h = 0; h < heads; h++) {
+            const uint16_t *qh = q + h * d;
+            __m512 acc = _mm512_setzero_ps();
+            for (long kk = 0; kk < d_full; kk += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + kk),
+                                       (__m512bh)_mm512_loadu_si512(qh + kk));
+            if (d_tail)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(d_tail, row + d_full),
+                                       (__m512bh)_mm512_maskz_loadu_epi16(d_tail, qh + d_full));
+            scores[h * len + l] = _mm512_reduce_add_ps(acc) * scale;
+        }
+    }
+    /* softmax per head, in place; the sum kept for the end */
+    float total[MAX_HEADS_PER_ITEM];
+    for (int h = 0; h < heads; h++) {
+        float *s = scores + h * len;
+        float mx = -INFINITY;
+        for (long l = 0; l < len; l++) mx = s[l] > mx ? s[l] : mx;
+        const __m512 vmx = _mm512_set1_ps(mx);
+        __m512 vsum = _mm512_setzero_ps();
+        long l = 0;
+        for (; l + 16 <= len; l += 16) {
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + l), vmx));
+            _mm512_storeu_ps(s + l, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        if (l < len) {
+            const __mmask16 m = (__mmask16)((1u << (len - l)) - 1);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + l), vmx));
+            _mm512_mask_storeu_ps(s + l, m, e);
+            vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+        }
+        total[h] = _mm512_reduce_add_ps(vsum);
+    }
+    /* pass 2: out[h] = sum_l p[h][l] * row[:c], float32 accumulators in L1 */
+    float acc[MAX_HEADS_PER_ITEM][MAX_LATENT] __attribute__((aligned(64)));
+    for (int h = 0; h < heads; h++)
+        for (long j = 0; j < c; j++) acc[h][j] = 0.0f;
+    const long c_full = c & ~15L;
+    const __mmask16 c_tail = (__mmask16)((1u << (c - c_full)) - 1);
+    for (long l = 0; l < len; l++) {
+        const uint16_t *row = cache + slots[l] * d;
+        for (long j = 0; j < c_full; j += 16) {
+            const __m512 v = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + j))), 16));
+            for (int h = 0; h < heads; h++)
+                _mm512_store_ps(acc[h] + j, _mm512_fmadd_ps(_mm512_set1_ps(scores[h * len + l]), v,
+                                                             _mm512_load_ps(acc[h] + j)));
+        }
+        if (c_tail) {
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(c_tail, row + c_full)), 16));
+            for (int h = 0; h < heads; h++)
+                _mm512_store_ps(acc[h] + c_full,
+                                _mm512_fmadd_ps(_mm512_set1_ps(scores[h * len + l]), v,
+                                                _mm512_load_ps(acc[h] + c_full)));
+        }
+    }
+    for (int h = 0; h < heads; h++) {
+        const float inv = 1.0f / total[h];
+        for (long j = 0; j < c; j++) out[h * c + j] = round_bf16(acc[h][j] * inv);
+    }
+}
+
+/* Returns 0, or -1 when the shapes exceed this kernel's fixed buffers (caller falls back). */
+int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
+                                     const int64_t *slots, long ldslots, const int64_t *lens,
+                                     long batch, long heads, long d, long c, float scale,
+                                     uint16_t *out) {
+    if (c > MAX_LATENT || d > 4 * MAX_LATENT) return -1;
+    const int threads = omp_get_max_threads();
+    /* few sequences: split the heads too, so every thread has work */
+    long per = heads;
+    if (batch < threads) per = (heads * batch + threads - 1) / threads;
+    if (per > MAX_HEADS_PER_ITEM) per = MAX_HEADS_PER_ITEM;
+    if (per < 1) per = 1;
+    const long groups = (heads + per - 1) / per;
+    long max_len = 0;
+    for (long b = 0; b < batch; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+#pragma omp parallel
+    {
+        float *scores = (float *)aligned_alloc(64, ((per * max_len * 4 + 63) / 64) * 64 + 64);
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < batch * groups; item++) {
+            const long b = item / groups, h0 = (item % groups) * per;
+            const int nh = (int)((heads - h0) < per ? (heads - h0) : per);
+            attend_one(q + (b * heads + h0) * d, d, cache, slots + b * ldslots, lens[b], c, scale,
+                       out + (b * heads + h0) * c, nh, scores);
+        }
+        free(scores);
+    }
+    return 0;
 }

@@ -91,6 +91,10 @@ class MatvecLibrary:
         self._experts = lib.mci_bf16_expert_linear
         self._experts.argtypes = [ptr, long, ptr, ptr, long, ptr, ptr, ptr, long, long, long]
         self._experts.restype = None
+        self._attention = lib.mci_bf16_latent_decode_attention
+        self._attention.argtypes = [ptr, ptr, ptr, long, ptr, long, long, long, long,
+                                    ctypes.c_float, ptr]  # fmt: skip
+        self._attention.restype = ctypes.c_int
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ weight [n, k]^T -> [m, n], bf16."""
@@ -128,3 +132,37 @@ class MatvecLibrary:
             k,
         )
         return y
+
+    def latent_decode_attention(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        slots: torch.Tensor,
+        lengths: torch.Tensor,
+        value_dim: int,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """Decode attention read through slot indices: q [B, H, d] (one query per sequence),
+        cache [rows, d] (one layer's latent rows, key and value at once), slots [B, L] int64
+        (sequence b's context is slots[b, :lengths[b]]) -> [B, H, value_dim], the softmax-
+        weighted sum of each context row's first value_dim columns; bf16. None when the
+        shapes exceed the kernel's buffers (the caller then gathers and uses SDPA)."""
+        batch, heads, d = q.shape
+        q = q.contiguous()
+        if cache.stride(1) != 1 or cache.stride(0) != d or slots.stride(1) != 1:
+            raise ValueError("latent_decode_attention: cache rows and slots must be contiguous")
+        out = torch.empty(batch, heads, value_dim, dtype=torch.bfloat16)
+        status = self._attention(
+            q.data_ptr(),
+            cache.data_ptr(),
+            slots.data_ptr(),
+            slots.stride(0),
+            lengths.data_ptr(),
+            batch,
+            heads,
+            d,
+            value_dim,
+            scale,
+            out.data_ptr(),
+        )
+        return out if status == 0 else None

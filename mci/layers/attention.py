@@ -27,7 +27,15 @@ from torch import nn
 
 from mci.config import ModelConfig
 from mci.layers.attention_metadata import AttentionGroup, AttentionMetadata
-from mci.layers.linear import BATCH_INVARIANT_ROWS, Linear, fixed_rows, make_linear, pad_rows
+from mci.layers.linear import (
+    BATCH_INVARIANT_ROWS,
+    FP8_DTYPE,
+    Linear,
+    bucket_sizes,
+    fixed_rows,
+    make_linear,
+    pad_rows,
+)
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import apply_rope
 from mci.parallel.context import ParallelContext
@@ -165,6 +173,12 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _attend(self, q_nope, q_rope, kv_cache, group: AttentionGroup, absorbed: bool):
         """One group's attention: q_* [N, H, *] (N = B * Q rows) -> [N, H, v]."""
+        if absorbed and group.lengths is not None and self.fixed_rows is None:
+            matvec = self.kv_b_proj.matvec
+            if matvec is not None and kv_cache.dtype == torch.bfloat16:
+                out = self._absorbed_decode_in_cache(matvec, q_nope, q_rope, kv_cache, group)
+                if out is not None:
+                    return out
         b, length = group.kv_slots.shape
         context = kv_cache.index_select(0, group.kv_slots.view(-1)).view(b, length, -1)  # [B, L, D]
         q_nope = q_nope.view((b, group.query_len) + q_nope.shape[1:])  # [B, Q, H, nope]
@@ -174,6 +188,19 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             out = self._expanded(q_nope, q_rope, context, group)
         return out.reshape((-1,) + out.shape[2:])  # [B*Q, H, v]
+
+    def warm_up(self, max_rows: int) -> int:
+        """Run the absorbed path's per-head matmuls at every row count a step of up to
+        `max_rows` tokens gives them (see `DeepseekV3ForCausalLM.warm_up_cpu_kernels`)."""
+        dtype = self.kv_b_proj.weight.dtype
+        if dtype == FP8_DTYPE:
+            return 0
+        w_uk, w_uv_t, w_uk_t, w_uv = self._absorb_weights(dtype)
+        sizes = [self.fixed_rows] if self.fixed_rows is not None else bucket_sizes(max_rows)
+        for rows in sizes:
+            x = w_uk.new_zeros(rows, self.num_heads, self.nope)
+            self._per_head(self._per_head(x, w_uk, w_uk_t), w_uv_t, w_uv)
+        return 2 * len(sizes)
 
     def _absorb_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """W_UK [H, nope, kv_lora] and W_UV^T [H, kv_lora, v] of kv_b_proj, contiguous, as the
@@ -224,6 +251,18 @@ class MultiHeadLatentAttention(nn.Module):
         # out[n, h] = W_UV_h out_lat[n, h]: [H, N, kv_lora] @ [H, kv_lora, v] -> [N, H, v]
         out = self._per_head(out_lat, w_uv_t, w_uv)
         return out.reshape(b, q_len, h, self.v_dim)
+
+    def _absorbed_decode_in_cache(self, matvec, q_nope, q_rope, kv_cache, group):
+        """The absorbed path for the decode group with the CPU kernels: attention reads the
+        latent rows in place through the group's slots (no gathered [B, L, D] copy of the
+        contexts, no mask) -> [B, H, v], or None when the kernel declines the shapes."""
+        w_uk, w_uv_t, w_uk_t, w_uv = self._absorb_weights(q_nope.dtype)
+        q_lat = self._per_head(q_nope, w_uk, w_uk_t)  # [B, H, kv_lora]
+        q_full = torch.cat((q_lat, q_rope), dim=-1)  # [B, H, kv_lora + rope]
+        out_lat = matvec.latent_decode_attention(
+            q_full, kv_cache, group.kv_slots, group.lengths, self.kv_lora_rank, self.scale
+        )
+        return None if out_lat is None else self._per_head(out_lat, w_uv_t, w_uv)
 
     def _expanded(self, q_nope, q_rope, context, group: AttentionGroup) -> torch.Tensor:
         """q_*: [B, Q, H, *], context [B, L, D] -> [B, Q, H, v]."""

@@ -59,6 +59,9 @@ class AttentionGroup:
     query_len: int
     kv_slots: torch.Tensor  # [B, L] cache slots of each sequence's context (pad -> 0)
     mask: torch.Tensor | None  # [B, Q, L] bool, True = attend; None when nothing is masked
+    # [B] int64 context length of each sequence (the decode group: kernels that read the
+    # cache through `kv_slots` stop there instead of masking); None for prefill groups
+    lengths: torch.Tensor | None
     causal: bool  # a single fresh sequence (Q == L): `mask` is plain causal (is_causal works)
     sum_query_len: int
     sum_query_times_context: int  # sum over b of q_b * L_b: attention score count per head
@@ -170,6 +173,7 @@ def _decode_group(chunks, decodes, starts, ctx_lens, device, key_multiple) -> At
         query_len=1,
         kv_slots=kv_slots.to(device=device, dtype=torch.long),
         mask=mask,
+        lengths=torch.tensor(lens, dtype=torch.long, device=device),
         causal=False,
         sum_query_len=len(decodes),
         sum_query_times_context=sum(lens),
@@ -190,6 +194,7 @@ def _prefill_group(chunks, starts: list[int], device, key_multiple: int) -> Atte
         query_len=q,
         kv_slots=_stack_slots(chunks, padded).to(device=device, dtype=torch.long),
         mask=mask.to(device),
+        lengths=None,
         causal=q == length == padded,
         sum_query_len=b * q,
         sum_query_times_context=b * q * length,

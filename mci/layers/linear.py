@@ -80,6 +80,15 @@ def bucket_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def bucket_sizes(max_rows: int) -> list[int]:
+    """Every row count `bucket_rows` gives for 1..max_rows, ascending."""
+    sizes, rows = [], 1
+    while rows <= max_rows:
+        sizes.append(bucket_rows(rows))
+        rows = sizes[-1] + 1
+    return sizes
+
+
 def pad_rows(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """x [n, ...] with zero rows appended up to `rows` (default `bucket_rows(n)`); x itself
     when it has them already."""
@@ -189,6 +198,17 @@ class Linear(nn.Module):
             self._packed = [pack_weight(r) for r in ([w] if w.dim() == 2 else list(w))]
         self.matvec = cpu_matvec.load() if skinny_kernels else None
         return True
+
+    def warm_up(self, max_rows: int) -> int:
+        """Run this layer's packed matmul once at every row count it can be called with
+        (`bucket_sizes`, or the batch-invariant count), so that oneDNN compiles those kernels
+        now rather than during a request. Returns the number of calls (0 when not packed)."""
+        if self._packed is None:
+            return 0
+        sizes = [self.fixed_rows] if self.fixed_rows is not None else bucket_sizes(max_rows)
+        for rows in sizes:
+            packed_linear(self.weight.new_zeros(rows, self.in_features), self._packed[0], None)
+        return len(sizes)
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Run every packed matmul at exactly `BATCH_INVARIANT_ROWS` rows (see above)."""

@@ -188,6 +188,20 @@ class RoutedExperts(nn.Module):
         gate, up = matvec.expert_linear(x_sorted, self.gate_up_proj.weight, segments).chunk(2, -1)
         return matvec.expert_linear(F.silu(gate) * up, self.down_proj.weight, segments)
 
+    def warm_up(self) -> int:
+        """Run the grouped path's batched matmuls at every capacity it uses (see
+        `DeepseekV3ForCausalLM.warm_up_cpu_kernels`); nothing when it never runs."""
+        if not self.grouped or self.gate_up_proj.weight.dtype != torch.bfloat16:
+            return 0
+        hidden = self.gate_up_proj.in_features
+        for capacity in range(1, self.GROUPED_MAX_ROWS + 1):
+            x = self.gate_up_proj.weight.new_zeros(capacity, hidden)
+            ids = torch.zeros(capacity, dtype=torch.long)
+            counts = torch.zeros(self.num_experts, dtype=torch.long)
+            counts[0] = capacity
+            self._grouped(x, ids, counts, capacity)
+        return 2 * self.GROUPED_MAX_ROWS
+
     def _grouped(self, x_sorted, sorted_ids, counts, capacity: int) -> torch.Tensor:
         """x_sorted [A, H] (A assignments, sorted by expert) -> expert outputs [A, H]."""
         # Row of each assignment inside its expert's padded block.

@@ -79,6 +79,31 @@ class DeepseekV3ForCausalLM(nn.Module):
         rows where they run; returns how many layers were packed. Idempotent."""
         return sum(m.pack_for_cpu(skinny_kernels) for m in self.modules() if isinstance(m, Linear))
 
+    def warm_up_cpu_kernels(self, max_rows: int) -> int:
+        """Call every oneDNN matmul shape a step of up to `max_rows` tokens can meet once:
+        oneDNN JIT-compiles a kernel per shape (1-9 ms each; see layers/linear.py), which
+        otherwise lands on the first requests of each size (measured: a fresh server's first
+        shared-prefix burst took 1.8x as long as its third). Packed linears at every bucketed
+        row count (one layer per weight shape: kernels are keyed by shape, not weights), the
+        absorbed attention's per-head matmuls at the same counts, and the grouped experts'
+        batched matmuls at every capacity. Returns the number of calls."""
+        calls, seen = 0, set()
+        for module in self.modules():
+            if isinstance(module, Linear) and module._packed is not None:
+                key = (module.out_features, module.in_features)
+                if key not in seen:
+                    seen.add(key)
+                    calls += module.warm_up(max_rows)
+        for module in self.modules():
+            if isinstance(module, MultiHeadLatentAttention):
+                calls += module.warm_up(max_rows)
+                break
+        for module in self.modules():
+            if isinstance(module, RoutedExperts):
+                calls += module.warm_up()
+                break
+        return calls
+
     def set_batch_invariant(self, enabled: bool) -> None:
         """With `enabled`, compute every token's logits bit-identically whatever else shares
         its step, the chunk its prompt came in, or whether its prefix was cached
