@@ -214,11 +214,13 @@ class Linear(nn.Module):
         """Run every packed matmul at exactly `BATCH_INVARIANT_ROWS` rows (see above)."""
         self.fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
 
-    def skinny(self, rows: int) -> cpu_matvec.MatvecLibrary | None:
-        """The skinny-matmul kernels when a call of `rows` rows should use them: packed for
-        the CPU, at most `cpu_matvec.MAX_ROWS` rows, and not batch-invariant (that mode keeps
-        one kernel, oneDNN's, for every row count)."""
-        if self.matvec is None or self.fixed_rows is not None or rows > cpu_matvec.MAX_ROWS:
+    def skinny(self, rows: int, limit: int | None = None):
+        """The skinny-matmul kernels (a `cpu_matvec.MatvecLibrary`) when a call of `rows` rows
+        should use them: packed for the CPU, at most `limit` rows (default
+        `cpu_matvec.MAX_ROWS`), and not batch-invariant (that mode keeps one kernel, oneDNN's,
+        for every row count); else None."""
+        limit = cpu_matvec.MAX_ROWS if limit is None else limit
+        if self.matvec is None or self.fixed_rows is not None or rows > limit:
             return None
         return self.matvec
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mci.config import ModelConfig
+from mci.kernels import cpu_matvec
 from mci.layers.linear import (
     BATCH_INVARIANT_ROWS,
     Linear,
@@ -79,8 +80,9 @@ class RoutedExperts(nn.Module):
 
     * looped: one matmul pair per *active* expert (never per token) — reads only the weights
       of the experts in use, the right choice when few are (a decode step of a few requests);
-    * skinny: the loop's work in two calls of the CPU kernels (mci/kernels/), when every
-      active expert has a few tokens (a decode step of a few requests);
+    * skinny: the loop's work in two calls of the CPU kernels (mci/kernels/), when no
+      active expert has more than `cpu_matvec.EXPERT_MAX_ROWS` tokens (decode steps of up
+      to ~24 requests); taken first wherever it runs;
     * grouped: every expert's tokens padded to a common count and run as two batched matmuls
       over all experts — two calls instead of two per expert, the right choice when most
       experts are in use anyway (a batch of decodes), where the loop's per-call
@@ -148,7 +150,10 @@ class RoutedExperts(nn.Module):
             return x.new_zeros(x.shape, dtype=torch.float32)
         capacity = bucket_rows(max(counts_list))
         active = sum(1 for c in counts_list if c)
-        if (
+        matvec = self.gate_up_proj.skinny(max(counts_list), cpu_matvec.EXPERT_MAX_ROWS)
+        if matvec is not None:
+            out_sorted = self._skinny(matvec, x_sorted, counts_list)
+        elif (
             self.grouped
             and self.gate_up_proj.weight.dtype == torch.bfloat16  # where agreement is tested
             and active >= self.GROUPED_MIN_ACTIVE * self.num_experts
@@ -156,8 +161,6 @@ class RoutedExperts(nn.Module):
             and capacity * self.num_experts <= self.GROUPED_MAX_PADDING * len(order)
         ):
             out_sorted = self._grouped(x_sorted, flat_ids[order], counts, capacity)
-        elif (matvec := self.gate_up_proj.skinny(max(counts_list))) is not None:
-            out_sorted = self._skinny(matvec, x_sorted, counts_list)
         else:
             out_sorted = self._looped(x_sorted, counts_list)
         # Weighted and summed in float32 (one rounding fewer per expert output than bf16).
