@@ -61,9 +61,10 @@ def test_padded_rows_do_not_change_the_rows_kept():
 
 def test_kernel_warm_up_runs_every_bucketed_shape_once(checkpoint):
     """Every packed weight shape at every bucketed row count, the absorbed attention's two
-    per-head matmuls at the same counts, the grouped experts' two at 16 capacities; and it
-    leaves the model's outputs alone."""
+    per-head matmuls at the same counts, the grouped experts' two at every bucketed capacity
+    up to their bound; and it leaves the model's outputs alone."""
     from mci.layers.linear import Linear, bucket_sizes
+    from mci.layers.moe import RoutedExperts
 
     model = load_model(checkpoint(dtype="bfloat16"), "bfloat16")
     model.pack_for_cpu()
@@ -72,6 +73,7 @@ def test_kernel_warm_up_runs_every_bucketed_shape_once(checkpoint):
     shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear)}
     sizes = bucket_sizes(300)
     assert sizes[:17] == list(range(1, 17)) + [32] and sizes[-1] == 320
-    expected = len(shapes) * len(sizes) + 2 * len(sizes) + 2 * 16
+    capacities = bucket_sizes(RoutedExperts.GROUPED_MAX_ROWS)
+    expected = len(shapes) * len(sizes) + 2 * len(sizes) + 2 * len(capacities)
     assert model.warm_up_cpu_kernels(300) == expected
     assert torch.equal(prefill_logits(model, ids), before)

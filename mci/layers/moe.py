@@ -21,6 +21,7 @@ from mci.layers.linear import (
     BATCH_INVARIANT_ROWS,
     Linear,
     bucket_rows,
+    bucket_sizes,
     can_pack,
     pack_weight,
     packed_linear,
@@ -85,25 +86,26 @@ class RoutedExperts(nn.Module):
       to ~24 requests); taken first wherever it runs;
     * grouped: every expert's tokens padded to a common count and run as two batched matmuls
       over all experts — two calls instead of two per expert, the right choice when most
-      experts are in use anyway (a batch of decodes), where the loop's per-call
+      experts are in use anyway (a batch of decodes, a prefill), where the loop's per-call
       overhead costs more than the matmuls.
 
-    In bf16 the two agree bitwise up to 16 rows per expert (tested); with more rows the batched
-    matmul may round a row's last bit differently from the looped one (seen at 32 rows on a
-    512x512 expert), so grouping stops at 16, and `--deterministic` always loops. float32
-    (aten's MKL kernels: they disagree) and FP8 weights always loop.
+    In bf16 the grouped and looped paths agree bitwise up to 16 rows per expert (tested); with
+    more rows the batched matmul may round a row's last bit differently from the looped one
+    (seen at 32 rows on a 512x512 expert), as the skinny kernels may. So which path a token
+    took can move its output by a bf16 ulp; `--deterministic` always loops, one kernel for
+    every step. float32 (aten's MKL kernels: they disagree) and FP8 weights always loop.
     """
 
     # Grouped when at least this share of the experts is active, padding at most triples the
-    # rows, and no expert has more than GROUPED_MAX_ROWS tokens (a 32-request decode step
-    # rarely gives one more). Measured on the `small` model's MoE layer (32 experts, bf16,
-    # 2 threads): 8-32 tokens run ~2x faster grouped
-    # (8 tokens activate about 20 of the 32 experts), 1-4 tokens at par or slower, 256 at
-    # par, 1,024 ~1.4x slower (the batched matmul re-lays the weights out per call, which the
-    # loop's packed weights do not).
+    # rows, and no expert has more than GROUPED_MAX_ROWS tokens. Measured on the `small`
+    # model (32 experts, bf16, 2 threads, kernels warmed up), one MoE layer looped vs grouped:
+    # 128 tokens 14.5 vs 5.7 ms, 266 tokens 17.7 vs 9.0, 512 tokens 20.8 vs 12.2 (the loop's
+    # per-expert matmuls of a few dozen rows are slow in oneDNN); whole steps, alternating in
+    # one process: 256-token prefill + 10 decodes 157 vs 123 ms, but a 1,056-token prefill
+    # (~256 rows per expert) 200-260 vs 215-325 ms, so grouping stops at 160 rows per expert.
     GROUPED_MIN_ACTIVE = 0.5
     GROUPED_MAX_PADDING = 3.0
-    GROUPED_MAX_ROWS = 16
+    GROUPED_MAX_ROWS = 160
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block, parallel: ParallelContext):
         """Under expert parallelism this rank holds experts [first, first + E/ep); under
@@ -197,13 +199,14 @@ class RoutedExperts(nn.Module):
         if not self.grouped or self.gate_up_proj.weight.dtype != torch.bfloat16:
             return 0
         hidden = self.gate_up_proj.in_features
-        for capacity in range(1, self.GROUPED_MAX_ROWS + 1):
+        capacities = bucket_sizes(self.GROUPED_MAX_ROWS)
+        for capacity in capacities:
             x = self.gate_up_proj.weight.new_zeros(capacity, hidden)
             ids = torch.zeros(capacity, dtype=torch.long)
             counts = torch.zeros(self.num_experts, dtype=torch.long)
             counts[0] = capacity
             self._grouped(x, ids, counts, capacity)
-        return 2 * self.GROUPED_MAX_ROWS
+        return 2 * len(capacities)
 
     def _grouped(self, x_sorted, sorted_ids, counts, capacity: int) -> torch.Tensor:
         """x_sorted [A, H] (A assignments, sorted by expert) -> expert outputs [A, H]."""
