@@ -74,6 +74,29 @@ def test_latent_decode_attention_reads_the_cache_through_slots():
         assert torch.equal(alone[0], out[b])
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_kernel_takes_the_eager_steps(x_dtype, out_dtype):
+    """Within float32 rounding of the eager RMSNorm (the sum of squares may be added in
+    another order), over strided rows (a slice of a fused projection's output), of any width."""
+    from mci.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(2)
+    for n in (512, 128, 37):
+        norm = RMSNorm(n, 1e-6, torch.bfloat16)
+        norm.weight.data = torch.randn(n, generator=g).to(torch.bfloat16)
+        x = (3 * torch.randn(70, n + 24, generator=g)).to(x_dtype)[:, 5 : 5 + n]
+        eager = norm(x, out_dtype)
+        assert norm.use_kernels(matvec)
+        fused = norm(x, out_dtype)
+        norm.use_kernels(None)
+        assert fused.dtype == out_dtype and fused.shape == eager.shape
+        tolerance = 2.0**-7 if out_dtype == torch.bfloat16 else 1e-5
+        assert torch.allclose(fused.float(), eager.float(), rtol=tolerance, atol=1e-6)
+        if out_dtype == torch.bfloat16:  # float32 rows differ in the last bit of the scale
+            assert (fused == eager).float().mean() > 0.95
+
+
 def test_a_model_on_the_kernels_stays_with_the_onednn_model(checkpoint):
     """Decode steps (one row) take the kernels; their logits stay within bf16 rounding of the
     oneDNN-only model's, step after step."""

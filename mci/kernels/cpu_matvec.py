@@ -105,6 +105,10 @@ class MatvecLibrary:
         self._attention.argtypes = [ptr, ptr, ptr, long, ptr, long, long, long, long,
                                     ctypes.c_float, ptr]  # fmt: skip
         self._attention.restype = ctypes.c_int
+        self._rms_norm = lib.mci_rms_norm
+        self._rms_norm.argtypes = [ptr, long, ctypes.c_int, ptr, ptr, ctypes.c_int, long, long,
+                                   ctypes.c_float]  # fmt: skip
+        self._rms_norm.restype = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ weight [n, k]^T -> [m, n], bf16."""
@@ -176,3 +180,25 @@ class MatvecLibrary:
             out.data_ptr(),
         )
         return out if status == 0 else None
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """mci/layers/norm.py's RMSNorm in one pass: x [rows, n] float32 or bf16 (any row
+        stride), weight bf16 [n] -> [rows, n] in out_dtype (float32 or bf16)."""
+        rows, n = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty(rows, n, dtype=out_dtype)
+        self._rms_norm(
+            x.data_ptr(),
+            x.stride(0),
+            int(x.dtype == torch.bfloat16),
+            weight.data_ptr(),
+            y.data_ptr(),
+            int(out_dtype == torch.bfloat16),
+            rows,
+            n,
+            eps,
+        )
+        return y

@@ -19,9 +19,27 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.kernels = None  # mci/kernels/cpu_matvec.py's library: the same steps in one pass
+
+    def use_kernels(self, kernels) -> bool:
+        """Run through the CPU kernels' one-pass RMSNorm (a bf16 weight on the CPU; the eager
+        form is ~8 ops per call, a few microseconds each at decode sizes). Returns whether it
+        will."""
+        ok = kernels is not None and self.weight.dtype == torch.bfloat16
+        self.kernels = kernels if ok and self.weight.device.type == "cpu" else None
+        return self.kernels is not None
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         # x: [..., dim], any float dtype; the product with a bf16 weight promotes to float32.
+        out_dtype = out_dtype or self.weight.dtype
+        if (
+            self.kernels is not None
+            and x.dim() == 2
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and out_dtype in (torch.float32, torch.bfloat16)
+            and not x.requires_grad
+        ):
+            return self.kernels.rms_norm(x, self.weight, self.eps, out_dtype)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight).to(out_dtype or self.weight.dtype)
+        return (xf * self.weight).to(out_dtype)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mci.config import ModelConfig
+from mci.kernels import cpu_matvec
 from mci.layers.attention import ATTENTION_KEY_MULTIPLE, MultiHeadLatentAttention, choose_absorbed
 from mci.layers.attention_metadata import AttentionMetadata
 from mci.layers.embedding import VocabEmbedding, VocabHead
@@ -75,9 +76,17 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def pack_for_cpu(self, skinny_kernels: bool = True) -> int:
         """Pack every unquantised linear weight for oneDNN (see layers/linear.py) before
-        serving on the CPU, and with `skinny_kernels` use mci/kernels/ for matmuls of a few
-        rows where they run; returns how many layers were packed. Idempotent."""
-        return sum(m.pack_for_cpu(skinny_kernels) for m in self.modules() if isinstance(m, Linear))
+        serving on the CPU, and with `skinny_kernels` use mci/kernels/ where they run (matmuls
+        of a few rows, decode attention, RMSNorm); returns how many layers were packed.
+        Idempotent."""
+        packed = sum(
+            m.pack_for_cpu(skinny_kernels) for m in self.modules() if isinstance(m, Linear)
+        )
+        kernels = cpu_matvec.load() if skinny_kernels and packed else None
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.use_kernels(kernels)
+        return packed
 
     def warm_up_cpu_kernels(self, max_rows: int) -> int:
         """Call every oneDNN matmul shape a step of up to `max_rows` tokens can meet once:
