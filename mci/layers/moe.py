@@ -83,7 +83,7 @@ class RoutedExperts(nn.Module):
       of the experts in use, the right choice when few are (a decode step of a few requests);
     * skinny: the loop's work in two calls of the CPU kernels (mci/kernels/), when no
       active expert has more than `cpu_matvec.EXPERT_MAX_ROWS` tokens (decode steps of up
-      to ~24 requests); taken first wherever it runs;
+      to ~48 requests); taken first wherever it runs;
     * grouped: every expert's tokens padded to a common count and run as two batched matmuls
       over all experts — two calls instead of two per expert, the right choice when most
       experts are in use anyway (a batch of decodes, a prefill), where the loop's per-call
