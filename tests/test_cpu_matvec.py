@@ -50,6 +50,21 @@ def test_expert_linear_runs_each_segment_through_its_expert():
     assert torch.equal(out, expected)
 
 
+def test_expert_combine_is_the_weighted_index_add_bit_for_bit():
+    """The MoE's weighted sum of expert outputs, done by the kernel as it writes them, equals
+    mci/layers/moe.py's float32 index_add over the bf16 outputs exactly."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 96, 160, generator=g).to(torch.bfloat16)
+    x = torch.randn(7, 160, generator=g).to(torch.bfloat16)
+    segments = torch.tensor([[4, 0, 5], [0, 3, 4], [3, 1, 3]])
+    tokens = torch.tensor([0, 2, 1, 0, 2, 1, 0])  # each row's token (3 tokens, top-k 2-3)
+    weights = torch.rand(7, generator=g) * 2.5
+    y = matvec.expert_linear(x, w, segments)
+    expected = torch.zeros(3, 96).index_add_(0, tokens, y.float() * weights[:, None])
+    out = matvec.expert_linear_combine(x, w, segments, tokens, weights, torch.zeros(3, 96))
+    assert torch.equal(out, expected)
+
+
 def test_latent_decode_attention_reads_the_cache_through_slots():
     """Equal to softmax attention over the gathered rows (float64 reference), within bf16
     rounding; padding slots past a sequence's length are never read; sequences independent."""

@@ -32,13 +32,52 @@ static inline uint16_t round_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+static inline float bf16_to_float(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Where a block's results go: bf16 rows y (row stride ldy), or, to combine routed experts'
+ * outputs, added into float32 rows acc (row stride ldy) as acc[tok[j]] += wt[j] * y_j, with
+ * y_j rounded to bf16 first: the same float32 products and sums, in the same order, as
+ * mci/layers/moe.py's weighted index_add over assignments sorted by expert. */
+typedef struct {
+    uint16_t *y;
+    long ldy;
+    float *acc;
+    const int64_t *tok;
+    const float *wt;
+} Sink;
+
+static inline Sink sink_rows(Sink s, long r) {
+    if (s.acc) {
+        s.tok += r;
+        s.wt += r;
+    } else {
+        s.y += r * s.ldy;
+    }
+    return s;
+}
+
+static inline void store(const Sink *s, int j, long n, float sum) {
+    const uint16_t b = round_bf16(sum);
+    if (s->acc) {
+        const float v = bf16_to_float(b) * s->wt[j];
+        s->acc[s->tok[j] * s->ldy + n] += v;
+    } else {
+        s->y[j * s->ldy + n] = b;
+    }
+}
+
 /* Rows [n0, n1) of one weight for T rows of x (T <= TOKENS, a compile-time constant in each
  * caller so the accumulators stay in registers). k_full: K rounded down to 32; the tail is
  * read with a mask. A last partial block of rows (n1 - n < FEATS) reads whole blocks of
  * FEATS rows only when they exist (`w_rows`), else row by row. */
 static inline __attribute__((always_inline)) void block_rows(
-    const uint16_t *x, long ldx, const uint16_t *w, long k, uint16_t *y, long ldy, const int T,
-    long n0, long n1) {
+    const uint16_t *x, long ldx, const uint16_t *w, long k, const Sink *y, const int T, long n0,
+    long n1) {
     const long k_full = k & ~31L;
     const __mmask32 tail = (__mmask32)((1ULL << (k - k_full)) - 1);
     long n = n0;
@@ -71,7 +110,7 @@ static inline __attribute__((always_inline)) void block_rows(
         }
         for (int i = 0; i < FEATS; i++)
             for (int j = 0; j < T; j++)
-                y[j * ldy + n + i] = round_bf16(_mm512_reduce_add_ps(acc[i][j]));
+                store(y, j, n + i, _mm512_reduce_add_ps(acc[i][j]));
     }
     for (; n < n1; n++) { /* the last rows, one at a time */
         __m512 acc[TOKENS];
@@ -90,21 +129,21 @@ static inline __attribute__((always_inline)) void block_rows(
                     acc[j], (__m512bh)wv,
                     (__m512bh)_mm512_maskz_loadu_epi16(tail, x + j * ldx + k_full));
         }
-        for (int j = 0; j < T; j++) y[j * ldy + n] = round_bf16(_mm512_reduce_add_ps(acc[j]));
+        for (int j = 0; j < T; j++) store(y, j, n, _mm512_reduce_add_ps(acc[j]));
     }
 }
 
 /* One weight's rows [n0, n1) for all m rows of x, TOKENS rows at a time. */
-static void rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, uint16_t *y,
-                       long ldy, long m, long n0, long n1) {
+static void rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
+                       long n0, long n1) {
     for (long r = 0; r < m; r += TOKENS) {
         const uint16_t *xr = x + r * ldx;
-        uint16_t *yr = y + r * ldy;
+        const Sink yr = sink_rows(y, r);
         switch ((m - r) < TOKENS ? (int)(m - r) : TOKENS) {
-        case 1: block_rows(xr, ldx, w, k, yr, ldy, 1, n0, n1); break;
-        case 2: block_rows(xr, ldx, w, k, yr, ldy, 2, n0, n1); break;
-        case 3: block_rows(xr, ldx, w, k, yr, ldy, 3, n0, n1); break;
-        default: block_rows(xr, ldx, w, k, yr, ldy, 4, n0, n1); break;
+        case 1: block_rows(xr, ldx, w, k, &yr, 1, n0, n1); break;
+        case 2: block_rows(xr, ldx, w, k, &yr, 2, n0, n1); break;
+        case 3: block_rows(xr, ldx, w, k, &yr, 3, n0, n1); break;
+        default: block_rows(xr, ldx, w, k, &yr, 4, n0, n1); break;
         }
     }
 }
@@ -124,7 +163,21 @@ void mci_bf16_linear(const uint16_t *x, long ldx, const uint16_t *w, uint16_t *y
     {
         long n0, n1;
         share(n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
-        rows_range(x, ldx, w, k, y, ldy, m, n0, n1);
+        const Sink sink = {y, ldy, 0, 0, 0};
+        rows_range(x, ldx, w, k, sink, m, n0, n1);
+    }
+}
+
+static void experts(const uint16_t *x, long ldx, const uint16_t *w, Sink y,
+                    const int64_t *ids, const int64_t *starts, const int64_t *counts,
+                    long segments, long n, long k) {
+#pragma omp parallel
+    {
+        long n0, n1;
+        share(n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
+        for (long s = 0; s < segments; s++)
+            rows_range(x + starts[s] * ldx, ldx, w + ids[s] * n * k, k, sink_rows(y, starts[s]),
+                       counts[s], n0, n1);
     }
 }
 
@@ -133,14 +186,19 @@ void mci_bf16_linear(const uint16_t *x, long ldx, const uint16_t *w, uint16_t *y
 void mci_bf16_expert_linear(const uint16_t *x, long ldx, const uint16_t *w, uint16_t *y,
                             long ldy, const int64_t *ids, const int64_t *starts,
                             const int64_t *counts, long segments, long n, long k) {
-#pragma omp parallel
-    {
-        long n0, n1;
-        share(n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
-        for (long s = 0; s < segments; s++)
-            rows_range(x + starts[s] * ldx, ldx, w + ids[s] * n * k, k, y + starts[s] * ldy, ldy,
-                       counts[s], n0, n1);
-    }
+    const Sink sink = {y, ldy, 0, 0, 0};
+    experts(x, ldx, w, sink, ids, starts, counts, segments, n, k);
+}
+
+/* The same, each output row then weighted and added into float32 rows: acc [*, n] (zeroed by
+ * the caller) gets acc[tokens[a]] += weights[a] * y[a] for every row a, in row order (each
+ * thread owns a slice of the n features, so no two threads touch one element). */
+void mci_bf16_expert_linear_combine(const uint16_t *x, long ldx, const uint16_t *w, float *acc,
+                                    const int64_t *tokens, const float *weights,
+                                    const int64_t *ids, const int64_t *starts,
+                                    const int64_t *counts, long segments, long n, long k) {
+    const Sink sink = {0, n, acc, tokens, weights};
+    experts(x, ldx, w, sink, ids, starts, counts, segments, n, k);
 }
 
 /* ---- decode attention over latent rows read through slot indices (MLA, absorbed) ---------

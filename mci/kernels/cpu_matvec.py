@@ -33,8 +33,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_matvec.c")
-FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512bf16", "-mfma"]  # fmt: skip
+# -ffp-contract=off: a product then a sum stay two roundings (no fused multiply-add), as in
+# the torch code the kernels stand in for.
+FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
+         "-mavx512vl", "-mavx512bf16", "-mfma"]  # fmt: skip
 # Most rows a call takes the kernels with. A single matmul on a weight in cache favours oneDNN
 # from 4 rows, but in a real decode step (weights streamed from L3/DRAM) the kernels win up to
 # ~12 rows: measured on the `small` model's whole step, alternating in one process, the
@@ -102,6 +104,9 @@ class MatvecLibrary:
         self._experts = lib.mci_bf16_expert_linear
         self._experts.argtypes = [ptr, long, ptr, ptr, long, ptr, ptr, ptr, long, long, long]
         self._experts.restype = None
+        self._combine = lib.mci_bf16_expert_linear_combine
+        self._combine.argtypes = [ptr, long, ptr, ptr, ptr, ptr, ptr, ptr, ptr, long, long, long]
+        self._combine.restype = None
         self._attention = lib.mci_bf16_latent_decode_attention
         self._attention.argtypes = [ptr, ptr, ptr, long, ptr, long, long, long, long,
                                     ctypes.c_float, ptr]  # fmt: skip
@@ -147,6 +152,42 @@ class MatvecLibrary:
             k,
         )
         return y
+
+    def expert_linear_combine(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        segments: torch.Tensor,
+        tokens: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """`expert_linear`, each output row a then rounded to bf16, weighted and added into
+        float32 `out` [*, n]: out[tokens[a]] += weights[a] * row a (tokens int64, weights
+        float32, one per row of x), in row order. Returns `out`."""
+        k = x.shape[1]
+        n = weight.shape[1]
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        tokens, weights = tokens.contiguous(), weights.contiguous().float()
+        if not out.is_contiguous() or out.dtype != torch.float32 or out.shape[1] != n:
+            raise ValueError("expert_linear_combine: out must be contiguous float32 [*, n]")
+        ids, starts, counts = segments
+        self._combine(
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            out.data_ptr(),
+            tokens.data_ptr(),
+            weights.data_ptr(),
+            ids.data_ptr(),
+            starts.data_ptr(),
+            counts.data_ptr(),
+            segments.shape[1],
+            n,
+            k,
+        )
+        return out
 
     def latent_decode_attention(
         self,

@@ -154,8 +154,9 @@ class RoutedExperts(nn.Module):
         active = sum(1 for c in counts_list if c)
         matvec = self.gate_up_proj.skinny(max(counts_list), cpu_matvec.EXPERT_MAX_ROWS)
         if matvec is not None:
-            out_sorted = self._skinny(matvec, x_sorted, counts_list)
-        elif (
+            sorted_weights = weights.flatten()[order]
+            return self._skinny(matvec, x_sorted, counts_list, token_idx, sorted_weights, len(x))
+        if (
             self.grouped
             and self.gate_up_proj.weight.dtype == torch.bfloat16  # where agreement is tested
             and active >= self.GROUPED_MIN_ACTIVE * self.num_experts
@@ -181,9 +182,11 @@ class RoutedExperts(nn.Module):
             start += count
         return out_sorted
 
-    def _skinny(self, matvec, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _skinny(self, matvec, x_sorted, counts, token_idx, sorted_weights, num_tokens: int):
         """The loop's result in two kernel calls (mci/kernels/cpu_matvec.py): every active
-        expert's few rows, each call reading only the active experts' weights."""
+        expert's few rows, each call reading only the active experts' weights; the second also
+        weights and sums the outputs per token, as `forward` does for the other paths (the
+        same float32 operations in the same order). -> float32 [T, H]."""
         ids = [e for e, c in enumerate(counts) if c]
         sizes = [counts[e] for e in ids]
         starts = [0]
@@ -191,7 +194,10 @@ class RoutedExperts(nn.Module):
             starts.append(starts[-1] + c)
         segments = torch.tensor([ids, starts, sizes], dtype=torch.long)
         gate, up = matvec.expert_linear(x_sorted, self.gate_up_proj.weight, segments).chunk(2, -1)
-        return matvec.expert_linear(F.silu(gate) * up, self.down_proj.weight, segments)
+        out = torch.zeros(num_tokens, self.down_proj.out_features, dtype=torch.float32)
+        return matvec.expert_linear_combine(
+            F.silu(gate) * up, self.down_proj.weight, segments, token_idx, sorted_weights, out
+        )
 
     def warm_up(self) -> int:
         """Run the grouped path's batched matmuls at every capacity it uses (see
