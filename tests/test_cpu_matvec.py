@@ -112,6 +112,37 @@ def test_rms_norm_kernel_takes_the_eager_steps(x_dtype, out_dtype):
             assert (fused == eager).float().mean() > 0.95
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_and_latent_rows_are_the_eager_values_bit_for_bit(interleave):
+    """q's rotation and the latent rows written to the cache (RMSNorm of c_kv, rotated k_rope)
+    equal mci/layers' eager computations exactly."""
+    from mci.layers.norm import RMSNorm
+    from mci.layers.rotary import apply_rope
+
+    g = torch.Generator().manual_seed(6)
+    t, heads, nope, r, c = 5, 8, 64, 32, 128
+    q = torch.randn(t, heads, nope + r, generator=g).to(torch.bfloat16)
+    q_rope = q[..., nope:]  # strided, as the model's split leaves it
+    angles = torch.rand(t, r // 2, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    eager = apply_rope(q_rope, cos[:, None], sin[:, None], interleave).to(torch.bfloat16)
+    assert torch.equal(matvec.rope_heads(q_rope, cos, sin, interleave), eager)
+
+    fused = torch.randn(t, 256 + c + r, generator=g).to(torch.bfloat16)
+    latent = fused[:, 256:]  # row stride 256 + c + r
+    norm = RMSNorm(c, 1e-6, torch.bfloat16)
+    norm.weight.data = torch.randn(c, generator=g).to(torch.bfloat16)
+    k_rope = apply_rope(latent[:, c:], cos, sin, interleave)
+    rows = torch.cat((norm(latent[:, :c], torch.float32), k_rope), dim=-1).to(torch.bfloat16)
+    slots = torch.tensor([7, 2, 9, 0, 4])
+    cache = torch.zeros(10, c + r, dtype=torch.bfloat16)
+    matvec.write_latent_rows(latent, norm.weight, norm.eps, cos, sin, interleave, cache, slots)
+    assert torch.equal(cache[slots], rows)
+    untouched = torch.ones(10, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache[untouched].any()
+
+
 def test_a_model_on_the_kernels_stays_with_the_onednn_model(checkpoint):
     """Decode steps (one row) take the kernels; their logits stay within bf16 rounding of the
     oneDNN-only model's, step after step."""

@@ -376,3 +376,47 @@ void mci_rms_norm(const void *x, long ldx, int x_bf16, const uint16_t *w, void *
         }
     }
 }
+
+/* ---- rotary embedding and the latent cache write (MLA) ------------------------------------
+ * rope(v)[i] = v1[i] * cos[i] - v2[i] * sin[i],  rope(v)[h + i] = v2[i] * cos[i] + v1[i] * sin[i]
+ * (h = r/2 pairs; interleaved checkpoints pair (2i, 2i+1), the others (i, i + h)): each product
+ * and the sum rounded in float32, as mci/layers/rotary.py computes them, then rounded once to
+ * bf16. */
+static inline void rope_row(const uint16_t *v, const float *cos, const float *sin, long r,
+                            int interleave, uint16_t *out) {
+    const long h = r / 2;
+    for (long i = 0; i < h; i++) {
+        const float a = bf16_to_float(interleave ? v[2 * i] : v[i]);
+        const float b = bf16_to_float(interleave ? v[2 * i + 1] : v[h + i]);
+        const float ac = a * cos[i], bs = b * sin[i], bc = b * cos[i], as = a * sin[i];
+        out[i] = round_bf16(ac - bs);
+        out[h + i] = round_bf16(bc + as);
+    }
+}
+
+/* x [T, H, r] bf16 (strides ldt per token, ldh per head) -> out [T, H, r] bf16 contiguous;
+ * cos/sin [T, r/2] float32. */
+void mci_rope_heads(const uint16_t *x, long ldt, long ldh, const float *cos, const float *sin,
+                    long tokens, long heads, long r, int interleave, uint16_t *out) {
+#pragma omp parallel for schedule(static) if (tokens * heads >= 256)
+    for (long t = 0; t < tokens; t++)
+        for (long hd = 0; hd < heads; hd++)
+            rope_row(x + t * ldt + hd * ldh, cos + t * (r / 2), sin + t * (r / 2), r, interleave,
+                     out + (t * heads + hd) * r);
+}
+
+/* The new latent rows of a step, written straight into one layer's cache: for token t,
+ * cache[slots[t]] = [ rmsnorm(latent[t, :c]) * w | rope(latent[t, c:c+r]) ], each part rounded
+ * once to bf16 (the norm as mci_rms_norm computes it). latent [T, c + r] bf16 with row
+ * stride ld; cache [*, c + r] bf16 contiguous. */
+void mci_write_latent_rows(const uint16_t *latent, long ld, const uint16_t *w, float eps,
+                           const float *cos, const float *sin, int interleave,
+                           uint16_t *cache, const int64_t *slots, long tokens, long c, long r) {
+    const long d = c + r;
+#pragma omp parallel for schedule(static) if (tokens >= 64)
+    for (long t = 0; t < tokens; t++) {
+        uint16_t *row = cache + slots[t] * d;
+        mci_rms_norm(latent + t * ld, ld, 1, w, row, 1, 1, c, eps);
+        rope_row(latent + t * ld + c, cos + t * (r / 2), sin + t * (r / 2), r, interleave, row + c);
+    }
+}

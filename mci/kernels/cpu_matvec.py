@@ -1,5 +1,6 @@
-"""Skinny bf16 matmuls on the CPU (decode sizes: up to 16 rows), and decode attention over
-the latent cache read in place, from cpu_matvec.c.
+"""Skinny bf16 matmuls on the CPU (decode sizes: up to 16 rows), decode attention over the
+latent cache read in place, and the small per-token steps around them (RMSNorm, rope, the
+latent cache write), from cpu_matvec.c.
 
 At a few rows oneDNN's bf16 matmul is call-overhead and kernel bound, far below the memory
 bandwidth a weight read needs (measured on a 512x512 weight: ~60 us, against ~7 us for this
@@ -115,6 +116,13 @@ class MatvecLibrary:
         self._rms_norm.argtypes = [ptr, long, ctypes.c_int, ptr, ptr, ctypes.c_int, long, long,
                                    ctypes.c_float]  # fmt: skip
         self._rms_norm.restype = None
+        self._rope = lib.mci_rope_heads
+        self._rope.argtypes = [ptr, long, long, ptr, ptr, long, long, long, ctypes.c_int, ptr]
+        self._rope.restype = None
+        self._latent = lib.mci_write_latent_rows
+        self._latent.argtypes = [ptr, long, ptr, ctypes.c_float, ptr, ptr, ctypes.c_int, ptr,
+                                 ptr, long, long, long]  # fmt: skip
+        self._latent.restype = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ weight [n, k]^T -> [m, n], bf16."""
@@ -244,3 +252,65 @@ class MatvecLibrary:
             eps,
         )
         return y
+
+    def rope_heads(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+    ) -> torch.Tensor:
+        """mci/layers/rotary.py's apply_rope on x [T, H, r] bf16 (any token and head strides,
+        unit element stride) with cos/sin [T, r/2] float32, rounded once to bf16 ->
+        [T, H, r] contiguous."""
+        t, heads, r = x.shape
+        if x.stride(2) != 1:
+            x = x.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        out = torch.empty(t, heads, r, dtype=torch.bfloat16)
+        self._rope(
+            x.data_ptr(),
+            x.stride(0),
+            x.stride(1),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            t,
+            heads,
+            r,
+            int(interleave),
+            out.data_ptr(),
+        )
+        return out
+
+    def write_latent_rows(
+        self,
+        latent: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        interleave: bool,
+        cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Write a step's new MLA latent rows into one layer's cache [*, c + r] (bf16,
+        contiguous): row slots[t] = [RMSNorm(latent[t, :c]) | rope(latent[t, c:])], each part
+        rounded once to bf16, as the eager code computes them. latent [T, c + r] bf16 (any
+        row stride), norm_weight bf16 [c], cos/sin [T, r/2] float32, slots int64 [T]."""
+        t, d = latent.shape
+        c = norm_weight.shape[0]
+        if latent.stride(1) != 1:
+            latent = latent.contiguous()
+        if not cache.is_contiguous() or cache.shape[1] != d or cache.dtype != torch.bfloat16:
+            raise ValueError("write_latent_rows: cache must be contiguous bf16 [*, c + r]")
+        cos, sin, slots = cos.contiguous(), sin.contiguous(), slots.contiguous()
+        self._latent(
+            latent.data_ptr(),
+            latent.stride(0),
+            norm_weight.data_ptr(),
+            eps,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            int(interleave),
+            cache.data_ptr(),
+            slots.data_ptr(),
+            t,
+            c,
+            d - c,
+        )

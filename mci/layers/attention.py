@@ -153,11 +153,20 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)  # [T, H, nope], [T, H, rope]
         c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # latent: [T, D]
         cos, sin = rope_cos_sin  # float32: rotations are computed in float32, rounded once
-        q_rope = apply_rope(q_rope, cos[:, None], sin[:, None], self.interleave).to(q.dtype)
-        k_rope = apply_rope(k_rope, cos, sin, self.interleave)  # rounded on the cache write
-        c_kv = self.kv_a_layernorm(c_kv, k_rope.dtype)
-        new_rows = torch.cat((c_kv, k_rope), dim=-1)  # [T, kv_lora + rope]
-        kv_cache.index_copy_(0, meta.write_slots, new_rows.to(kv_cache.dtype))
+        kernels = self.kv_a_layernorm.kernels  # the CPU kernels, when the model runs on them
+        if kernels is not None and q.dtype == kv_cache.dtype == torch.bfloat16:
+            # the same values in two calls instead of ~25 small ops (tests/test_cpu_matvec.py)
+            q_rope = kernels.rope_heads(q_rope, cos, sin, self.interleave)
+            norm = self.kv_a_layernorm
+            kernels.write_latent_rows(
+                latent, norm.weight, norm.eps, cos, sin, self.interleave, kv_cache, meta.write_slots
+            )
+        else:
+            q_rope = apply_rope(q_rope, cos[:, None], sin[:, None], self.interleave).to(q.dtype)
+            k_rope = apply_rope(k_rope, cos, sin, self.interleave)  # rounded on the cache write
+            c_kv = self.kv_a_layernorm(c_kv, k_rope.dtype)
+            new_rows = torch.cat((c_kv, k_rope), dim=-1)  # [T, kv_lora + rope]
+            kv_cache.index_copy_(0, meta.write_slots, new_rows.to(kv_cache.dtype))
         groups = meta.groups
         if len(groups) == 1 and isinstance(groups[0].rows, slice):  # rows are 0..T-1 in order
             out = self._attend(q_nope, q_rope, kv_cache, groups[0], absorbed[0])
