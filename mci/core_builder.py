@@ -87,7 +87,10 @@ def build_engine_core(
         start = time.monotonic()
         # a step's tokens: a full prefill budget beside a decode token of every running request
         max_rows = config.scheduler.max_prefill_tokens + config.scheduler.max_running_requests
-        calls = model.warm_up_cpu_kernels(max_rows)
+        # logits: every running request's sampled rows (its drafts too); prompt logprobs of
+        # longer prompts compile their shapes on first use
+        logit_rows = config.scheduler.max_running_requests * (1 + (spec.num_steps or 0))
+        calls = model.warm_up_cpu_kernels(max_rows, logit_rows)
         log.info("warmed up %d CPU matmul shapes in %.1f s", calls, time.monotonic() - start)
     speculator = None
     if spec.enabled:

@@ -60,9 +60,10 @@ def test_padded_rows_do_not_change_the_rows_kept():
 
 
 def test_kernel_warm_up_runs_every_bucketed_shape_once(checkpoint):
-    """Every packed weight shape at every bucketed row count, the absorbed attention's two
-    per-head matmuls at the same counts, the grouped experts' two at every bucketed capacity
-    up to their bound; and it leaves the model's outputs alone."""
+    """Every packed weight shape at every bucketed row count oneDNN takes (not the skinny
+    kernels'), the vocabulary head up to the logit rows, the absorbed attention's two
+    per-head matmuls at every bucketed count, the grouped experts' two at every bucketed
+    capacity up to their bound; and it leaves the model's outputs alone."""
     from mci.layers.linear import Linear, bucket_sizes
     from mci.layers.moe import RoutedExperts
 
@@ -70,10 +71,18 @@ def test_kernel_warm_up_runs_every_bucketed_shape_once(checkpoint):
     model.pack_for_cpu()
     ids = torch.randint(0, 2048, (20,), generator=torch.Generator().manual_seed(4)).tolist()
     before = prefill_logits(model, ids)
+    head = model.lm_head
     shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear)}
+    shapes.discard((head.out_features, head.in_features))  # heads (MTP's too): the logit rows
     sizes = bucket_sizes(300)
     assert sizes[:17] == list(range(1, 17)) + [32] and sizes[-1] == 320
+
+    def onednn(n):  # the row counts oneDNN takes (the same for every layer here)
+        return [rows for rows in bucket_sizes(n) if head.skinny(rows) is None]
+
+    assert len(onednn(300)) < len(sizes)  # the kernels take the smallest counts
     capacities = bucket_sizes(RoutedExperts.GROUPED_MAX_ROWS)
-    expected = len(shapes) * len(sizes) + 2 * len(sizes) + 2 * len(capacities)
-    assert model.warm_up_cpu_kernels(300) == expected
+    expected = len(onednn(40)) + len(shapes) * len(onednn(300))
+    expected += 2 * len(sizes) + 2 * len(capacities)
+    assert model.warm_up_cpu_kernels(300, 40) == expected
     assert torch.equal(prefill_logits(model, ids), before)

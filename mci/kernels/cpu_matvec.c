@@ -337,8 +337,9 @@ int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
 
 /* ---- RMSNorm ------------------------------------------------------------------------------
  * y[r] = (x[r] * 1/sqrt(mean(x[r]^2) + eps)) * w, computed in float32 and rounded once to the
- * output dtype: the same steps, in the same order per element, as mci/layers/norm.py (the
- * sum of squares may be added in another order than torch's mean). x: float32 or bf16 rows
+ * output dtype, as mci/layers/norm.py does; the sum of squares is accumulated in another
+ * order (and with fused multiply-adds), so a row's scale can differ from torch's in the last
+ * float32 bit. x: float32 or bf16 rows
  * (row stride ldx elements), w: bf16 [n], y: float32 or bf16 [rows, n] contiguous. */
 
 static inline __m512 load16(const void *p, int bf16, __mmask16 m) {
@@ -407,7 +408,8 @@ void mci_rope_heads(const uint16_t *x, long ldt, long ldh, const float *cos, con
 
 /* The new latent rows of a step, written straight into one layer's cache: for token t,
  * cache[slots[t]] = [ rmsnorm(latent[t, :c]) * w | rope(latent[t, c:c+r]) ], each part rounded
- * once to bf16 (the norm as mci_rms_norm computes it). latent [T, c + r] bf16 with row
+ * once to bf16 (the norm as mci_rms_norm computes it: within float32 rounding of the eager
+ * norm; the rope part bit for bit). latent [T, c + r] bf16 with row
  * stride ld; cache [*, c + r] bf16 contiguous. */
 void mci_write_latent_rows(const uint16_t *latent, long ld, const uint16_t *w, float eps,
                            const float *cos, const float *sin, int interleave,

@@ -34,8 +34,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_matvec.c")
-# -ffp-contract=off: a product then a sum stay two roundings (no fused multiply-add), as in
-# the torch code the kernels stand in for.
+# -ffp-contract=off: where the C code writes a product and then a sum (rope, the experts'
+# weighted sum), they stay two roundings, as in the torch code they stand in for (explicit
+# fused multiply-add intrinsics elsewhere are unaffected).
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
          "-mavx512vl", "-mavx512bf16", "-mfma"]  # fmt: skip
 # Most rows a call takes the kernels with. A single matmul on a weight in cache favours oneDNN
@@ -291,7 +292,8 @@ class MatvecLibrary:
     ) -> None:
         """Write a step's new MLA latent rows into one layer's cache [*, c + r] (bf16,
         contiguous): row slots[t] = [RMSNorm(latent[t, :c]) | rope(latent[t, c:])], each part
-        rounded once to bf16, as the eager code computes them. latent [T, c + r] bf16 (any
+        rounded once to bf16: the rope part bit for bit the eager value, the norm as
+        `rms_norm` (within float32 rounding of the eager one). latent [T, c + r] bf16 (any
         row stride), norm_weight bf16 [c], cos/sin [T, r/2] float32, slots int64 [T]."""
         t, d = latent.shape
         c = norm_weight.shape[0]

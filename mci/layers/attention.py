@@ -103,7 +103,7 @@ class MultiHeadLatentAttention(nn.Module):
             cfg.kv_lora_rank, h * (self.nope + self.v_dim), dtype, fp8_block
         )
         self.o_proj = make_linear(h * self.v_dim, hidden, dtype, fp8_block)
-        self._absorb_cache: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
+        self._absorb_cache: dict[tuple[torch.dtype, bool], tuple[torch.Tensor | None, ...]] = {}
         self._head_segments: dict[int, torch.Tensor] = {}  # rows -> the kernels' segments
         self.fixed_rows: int | None = None  # rows per batched matmul, for batch invariance
 
@@ -155,7 +155,8 @@ class MultiHeadLatentAttention(nn.Module):
         cos, sin = rope_cos_sin  # float32: rotations are computed in float32, rounded once
         kernels = self.kv_a_layernorm.kernels  # the CPU kernels, when the model runs on them
         if kernels is not None and q.dtype == kv_cache.dtype == torch.bfloat16:
-            # the same values in two calls instead of ~25 small ops (tests/test_cpu_matvec.py)
+            # the same values (the norm within float32 rounding) in two calls instead of ~25
+            # small ops (tests/test_cpu_matvec.py)
             q_rope = kernels.rope_heads(q_rope, cos, sin, self.interleave)
             norm = self.kv_a_layernorm
             kernels.write_latent_rows(
@@ -216,20 +217,21 @@ class MultiHeadLatentAttention(nn.Module):
         absorbed path's bmms take them, then the same two as the skinny kernels take them
         (W_UK^T [H, kv_lora, nope], W_UV [H, v, kv_lora]). Under inference mode they are made
         once per dtype (weights do not change while serving; FP8 is dequantised once, not per
-        step)."""
+        step). The kernel layouts are None unless the CPU kernels run here."""
         cache = self._absorb_cache
-        if dtype in cache:
-            return cache[dtype]
+        kernels = self.kv_b_proj.matvec is not None  # the kernel layouts only where they run
+        if (dtype, kernels) in cache:
+            return cache[dtype, kernels]
         w = self.kv_b_proj.dense_weight(dtype).view(self.num_heads, self.nope + self.v_dim, -1)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         weights = (
             w_uk.contiguous(),
             w_uv.transpose(1, 2).contiguous(),
-            w_uk.transpose(1, 2).contiguous(),
-            w_uv.contiguous(),
+            w_uk.transpose(1, 2).contiguous() if kernels else None,
+            w_uv.contiguous() if kernels else None,
         )
         if torch.is_inference_mode_enabled():
-            cache[dtype] = weights
+            cache[dtype, kernels] = weights
         return weights
 
     def _absorbed(self, q_nope, q_rope, context, group: AttentionGroup) -> torch.Tensor:

@@ -201,11 +201,13 @@ class Linear(nn.Module):
 
     def warm_up(self, max_rows: int) -> int:
         """Run this layer's packed matmul once at every row count it can be called with
-        (`bucket_sizes`, or the batch-invariant count), so that oneDNN compiles those kernels
-        now rather than during a request. Returns the number of calls (0 when not packed)."""
+        (`bucket_sizes`, or the batch-invariant count) and oneDNN takes (not `skinny`), so
+        that oneDNN compiles those kernels now rather than during a request. Returns the
+        number of calls (0 when not packed)."""
         if self._packed is None:
             return 0
         sizes = [self.fixed_rows] if self.fixed_rows is not None else bucket_sizes(max_rows)
+        sizes = [rows for rows in sizes if self.skinny(rows) is None]
         for rows in sizes:
             packed_linear(self.weight.new_zeros(rows, self.in_features), self._packed[0], None)
         return len(sizes)

@@ -106,6 +106,7 @@ class RoutedExperts(nn.Module):
     GROUPED_MIN_ACTIVE = 0.5
     GROUPED_MAX_PADDING = 3.0
     GROUPED_MAX_ROWS = 160
+    WARM_UP_MAX_BYTES = 1 << 30  # a layer's experts larger than this are not warmed up
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block, parallel: ParallelContext):
         """Under expert parallelism this rank holds experts [first, first + E/ep); under
@@ -204,6 +205,9 @@ class RoutedExperts(nn.Module):
         `DeepseekV3ForCausalLM.warm_up_cpu_kernels`); nothing when it never runs."""
         if not self.grouped or self.gate_up_proj.weight.dtype != torch.bfloat16:
             return 0
+        weights = self.gate_up_proj.weight, self.down_proj.weight
+        if sum(w.numel() * w.element_size() for w in weights) > self.WARM_UP_MAX_BYTES:
+            return 0  # each call reads every expert: there the matmul dwarfs its compile
         hidden = self.gate_up_proj.in_features
         capacities = bucket_sizes(self.GROUPED_MAX_ROWS)
         for capacity in capacities:

@@ -68,6 +68,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         num_mtp = cfg.num_mtp_layers if with_mtp else 0
         self.mtp = nn.ModuleList(MTPLayer(cfg, dtype, parallel) for _ in range(num_mtp))
         self.batch_invariant = False  # see `set_batch_invariant`
+        self.skinny_kernels = True  # `pack_for_cpu`'s choice, kept by `set_batch_invariant`
 
     @property
     def num_cache_layers(self) -> int:
@@ -79,6 +80,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         serving on the CPU, and with `skinny_kernels` use mci/kernels/ where they run (matmuls
         of a few rows, decode attention, RMSNorm); returns how many layers were packed.
         Idempotent."""
+        self.skinny_kernels = skinny_kernels
         packed = sum(
             m.pack_for_cpu(skinny_kernels) for m in self.modules() if isinstance(m, Linear)
         )
@@ -88,15 +90,17 @@ class DeepseekV3ForCausalLM(nn.Module):
                 module.use_kernels(kernels)
         return packed
 
-    def warm_up_cpu_kernels(self, max_rows: int) -> int:
-        """Call every oneDNN matmul shape a step of up to `max_rows` tokens can meet once:
-        oneDNN JIT-compiles a kernel per shape (1-9 ms each; see layers/linear.py), which
-        otherwise lands on the first requests of each size (measured: a fresh server's first
-        shared-prefix burst took 1.8x as long as its third). Packed linears at every bucketed
-        row count (one layer per weight shape: kernels are keyed by shape, not weights), the
-        absorbed attention's per-head matmuls at the same counts, and the grouped experts'
-        batched matmuls at every capacity. Returns the number of calls."""
-        calls, seen = 0, set()
+    def warm_up_cpu_kernels(self, max_rows: int, max_logit_rows: int) -> int:
+        """Call every oneDNN matmul shape a step of up to `max_rows` tokens (and up to
+        `max_logit_rows` rows of logits) can meet once: oneDNN JIT-compiles a kernel per shape
+        (1-9 ms each; see layers/linear.py), which otherwise lands on the first requests of
+        each size (measured: a fresh server's first shared-prefix burst took 1.8x as long as
+        its third). Packed linears at every bucketed row count oneDNN takes (one layer per
+        weight shape: kernels are keyed by shape, not weights), the absorbed attention's
+        per-head matmuls at the same counts, and the grouped experts' batched matmuls at
+        every capacity. Returns the number of calls."""
+        calls = self.lm_head.warm_up(max_logit_rows)
+        seen = {(self.lm_head.out_features, self.lm_head.in_features)}
         for module in self.modules():
             if isinstance(module, Linear) and module._packed is not None:
                 key = (module.out_features, module.in_features)
@@ -134,7 +138,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         if enabled and (self.dtype != torch.bfloat16 or self.lm_head.weight.device.type != "cpu"):
             raise ValueError("batch-invariant inference is implemented for bfloat16 on the CPU")
         if enabled:
-            self.pack_for_cpu()
+            self.pack_for_cpu(self.skinny_kernels)
         for module in self.modules():
             if isinstance(module, (Linear, TopKRouter, RoutedExperts, MultiHeadLatentAttention)):
                 module.set_batch_invariant(enabled)

@@ -32,6 +32,7 @@ CALLS = frozenset(
         "mtp_logits",
         "allocate_kv_cache",
         "pack_for_cpu",
+        "warm_up_cpu_kernels",
         "set_batch_invariant",
         "copy_cache_slot",
         "keepalive",
