@@ -87,6 +87,12 @@ def test_latent_decode_attention_reads_the_cache_through_slots():
             q[b : b + 1], cache, slots[b : b + 1], lengths[b : b + 1], c, scale
         )
         assert torch.equal(alone[0], out[b])
+    wide = cpu_matvec.MAX_LATENT + 16  # past the kernel's buffers: refused, never overrun
+    big = torch.zeros(4, wide + 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="value_dim"):
+        matvec.latent_decode_attention(
+            big[None, :1].repeat(1, 2, 1), big, slots[:1, :1] * 0, lengths[:1] * 0 + 1, wide, scale
+        )
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])

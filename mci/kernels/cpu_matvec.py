@@ -51,6 +51,9 @@ MAX_ROWS = 16
 # 1.1 vs 1.5 ms at 24 tokens, up to 8; and the whole 32-request decode step, alternating in
 # one process: median 31.8 ms with up to 16 rows per expert here, 36.8 ms with up to 8).
 EXPERT_MAX_ROWS = 16
+# Widest latent (kv_lora_rank) the decode attention kernel takes: cpu_matvec.c's MAX_LATENT
+# (its per-head float32 accumulators live on the stack). DeepSeek-V3 has 512.
+MAX_LATENT = 1024
 
 
 def _cpu_supports() -> bool:
@@ -206,12 +209,12 @@ class MatvecLibrary:
         lengths: torch.Tensor,
         value_dim: int,
         scale: float,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """Decode attention read through slot indices: q [B, H, d] (one query per sequence),
         cache [rows, d] (one layer's latent rows, key and value at once), slots [B, L] int64
         (sequence b's context is slots[b, :lengths[b]]) -> [B, H, value_dim], the softmax-
-        weighted sum of each context row's first value_dim columns; bf16. None when the
-        shapes exceed the kernel's buffers (the caller then gathers and uses SDPA)."""
+        weighted sum of each context row's first value_dim columns; bf16. value_dim is at
+        most MAX_LATENT (callers check it first)."""
         batch, heads, d = q.shape
         q = q.contiguous()
         if cache.stride(1) != 1 or cache.stride(0) != d or slots.stride(1) != 1:
@@ -230,7 +233,9 @@ class MatvecLibrary:
             scale,
             out.data_ptr(),
         )
-        return out if status == 0 else None
+        if status != 0:
+            raise ValueError(f"latent_decode_attention: value_dim {value_dim} > {MAX_LATENT}")
+        return out
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mci.config import ModelConfig
+from mci.kernels import cpu_matvec
 from mci.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from mci.layers.linear import (
     BATCH_INVARIANT_ROWS,
@@ -183,12 +184,16 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _attend(self, q_nope, q_rope, kv_cache, group: AttentionGroup, absorbed: bool):
         """One group's attention: q_* [N, H, *] (N = B * Q rows) -> [N, H, v]."""
-        if absorbed and group.lengths is not None and self.fixed_rows is None:
-            matvec = self.kv_b_proj.matvec
-            if matvec is not None and kv_cache.dtype == torch.bfloat16:
-                out = self._absorbed_decode_in_cache(matvec, q_nope, q_rope, kv_cache, group)
-                if out is not None:
-                    return out
+        matvec = self.kv_b_proj.matvec
+        if (
+            absorbed
+            and group.lengths is not None
+            and matvec is not None
+            and self.fixed_rows is None
+            and kv_cache.dtype == torch.bfloat16
+            and self.kv_lora_rank <= cpu_matvec.MAX_LATENT
+        ):
+            return self._absorbed_decode_in_cache(matvec, q_nope, q_rope, kv_cache, group)
         b, length = group.kv_slots.shape
         context = kv_cache.index_select(0, group.kv_slots.view(-1)).view(b, length, -1)  # [B, L, D]
         q_nope = q_nope.view((b, group.query_len) + q_nope.shape[1:])  # [B, Q, H, nope]
@@ -266,14 +271,14 @@ class MultiHeadLatentAttention(nn.Module):
     def _absorbed_decode_in_cache(self, matvec, q_nope, q_rope, kv_cache, group):
         """The absorbed path for the decode group with the CPU kernels: attention reads the
         latent rows in place through the group's slots (no gathered [B, L, D] copy of the
-        contexts, no mask) -> [B, H, v], or None when the kernel declines the shapes."""
+        contexts, no mask) -> [B, H, v]."""
         w_uk, w_uv_t, w_uk_t, w_uv = self._absorb_weights(q_nope.dtype)
         q_lat = self._per_head(q_nope, w_uk, w_uk_t)  # [B, H, kv_lora]
         q_full = torch.cat((q_lat, q_rope), dim=-1)  # [B, H, kv_lora + rope]
         out_lat = matvec.latent_decode_attention(
             q_full, kv_cache, group.kv_slots, group.lengths, self.kv_lora_rank, self.scale
         )
-        return None if out_lat is None else self._per_head(out_lat, w_uv_t, w_uv)
+        return self._per_head(out_lat, w_uv_t, w_uv)
 
     def _expanded(self, q_nope, q_rope, context, group: AttentionGroup) -> torch.Tensor:
         """q_*: [B, Q, H, *], context [B, L, D] -> [B, Q, H, v]."""

@@ -151,12 +151,12 @@ class RoutedExperts(nn.Module):
         counts_list = counts.tolist()
         if not order.numel():
             return x.new_zeros(x.shape, dtype=torch.float32)
-        capacity = bucket_rows(max(counts_list))
-        active = sum(1 for c in counts_list if c)
         matvec = self.gate_up_proj.skinny(max(counts_list), cpu_matvec.EXPERT_MAX_ROWS)
         if matvec is not None:
             sorted_weights = weights.flatten()[order]
             return self._skinny(matvec, x_sorted, counts_list, token_idx, sorted_weights, len(x))
+        capacity = bucket_rows(max(counts_list))
+        active = sum(1 for c in counts_list if c)
         if (
             self.grouped
             and self.gate_up_proj.weight.dtype == torch.bfloat16  # where agreement is tested
