@@ -64,8 +64,8 @@ def _router(*urls, flags=()):
     )
 
 
-def _stream(url: str, body: dict) -> tuple[str, list[dict]]:
-    """(text, events) of a streamed completion."""
+def _stream(url: str, body: dict, started: threading.Semaphore | None = None):
+    """(text, events) of a streamed completion; `started` is released at its first text."""
     text, events = "", []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
@@ -73,6 +73,8 @@ def _stream(url: str, body: dict) -> tuple[str, list[dict]]:
                 event = json.loads(line[6:])
                 events.append(event)
                 for choice in event.get("choices") or []:
+                    if started is not None and not text and choice.get("text"):
+                        started.release()
                     text += choice.get("text") or ""
     return text, events
 
@@ -173,24 +175,21 @@ def test_stream_resumes_on_another_replica_when_its_replica_dies(deterministic_r
     }
     reference, _ = _stream(a.url, body)
     with _router(a.url, b.url) as router:
-        results = {}
+        results, started = {}, threading.Semaphore(0)
 
         def client(i):
-            results[i] = _stream(router.url, body)
+            results[i] = _stream(router.url, body, started)
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 20
-        while True:  # the cache-aware router sends all 32 to one replica
-            busy = [
-                w for w in httpx.get(router.url + "/workers").json()["workers"] if w["in_flight"]
-            ]
-            if busy and sum(w["in_flight"] for w in busy) == 32:
-                break
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(0.3)  # mid-stream
+        # Kill only once every stream has sent text: one that has not started is retried
+        # (before its first byte), not resumed, and a slow machine may still be prefilling.
+        for _ in range(32):
+            if not started.acquire(timeout=60):
+                raise AssertionError("a stream sent no text within 60 s")
+        busy = [w for w in httpx.get(router.url + "/workers").json()["workers"] if w["in_flight"]]
+        assert len(busy) == 1 and busy[0]["in_flight"] == 32  # cache-aware: all on one replica
         victim = a if busy[0]["url"] == a.url else b
         os.kill(victim.proc.pid, signal.SIGKILL)
         for t in threads:
