@@ -84,7 +84,7 @@ def generate(
     meta = AttentionMetadata.build(
         [SequenceChunk(slots[: len(prompt_ids)], len(prompt_ids))],
         device,
-        model.attention_key_multiple,
+        model.attention_layout,
     )
     ids = torch.tensor(prompt_ids, device=device)
     hidden = model(ids, meta, cache, attention_path)
@@ -98,7 +98,7 @@ def generate(
     while finish == "length" and len(out) < max_new_tokens:
         length += 1
         meta = AttentionMetadata.build(
-            [SequenceChunk(slots[:length], 1)], device, model.attention_key_multiple
+            [SequenceChunk(slots[:length], 1)], device, model.attention_layout
         )
         hidden = model(token, meta, cache, attention_path)
         token = next_token(model.logits(hidden))

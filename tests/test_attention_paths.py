@@ -7,7 +7,7 @@ import torch
 from helpers import prefill_logits, stepwise_logits
 
 from mci.layers.attention import choose_absorbed
-from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
+from mci.layers.attention_metadata import AttentionLayout, AttentionMetadata, SequenceChunk
 from mci.models.loader import load_model
 from mci.tools.make_checkpoint import preset_config
 
@@ -39,7 +39,7 @@ def test_stepwise_decode_paths_equal_prefill(model, first_chunk):
         assert (step - full).abs().max().item() <= TOL, path
 
 
-def _batched_step(model, seqs, cached, num_slots, seed):
+def _batched_step(model, seqs, cached, num_slots, seed, layout=None):
     """Cache each sequence's first `cached` tokens at scattered slots (one forward each), then
     build one step computing every sequence's remaining tokens: (meta, new ids, cache)."""
     cache = model.allocate_kv_cache(num_slots)
@@ -54,7 +54,7 @@ def _batched_step(model, seqs, cached, num_slots, seed):
             model(torch.tensor(s[:c]), meta, cache, "expanded")
     chunks = [SequenceChunk(sl, len(s) - c) for s, sl, c in zip(seqs, slots, cached)]
     new_ids = torch.tensor([t for s, c in zip(seqs, cached) for t in s[c:]])
-    return AttentionMetadata.build(chunks), new_ids, cache
+    return AttentionMetadata.build(chunks, "cpu", layout or AttentionLayout()), new_ids, cache
 
 
 def _check_each_alone(model, seqs, cached, step, paths):
@@ -115,3 +115,17 @@ def test_equal_shaped_prefills_attend_as_one_group(model):
     step = _batched_step(model, seqs, cached, 80, seed=12)
     assert [(g.batch_size, g.query_len) for g in step[0].groups] == [(3, 10), (2, 7)]
     _check_each_alone(model, seqs, cached, step, ("absorbed", "expanded"))
+
+
+def test_few_row_sequences_attend_per_row_in_the_decode_group(model):
+    """With `row_query_max`, sequences of a few new tokens (speculative verifications) join the
+    decode group one item per row, each row seeing its causal prefix; longer chunks stay
+    prefill groups; every sequence gets its solo logits on each path."""
+    seqs = [_ids(9, 40), _ids(20, 41), _ids(12, 42), _ids(14, 43), _ids(30, 44)]
+    cached = [8, 0, 9, 11, 10]  # decode, fresh 20, 3 rows, 3 rows, 20 rows after a prefix
+    step = _batched_step(model, seqs, cached, 128, seed=13, layout=AttentionLayout(1, 4))
+    decode = step[0].groups[0]
+    assert [(g.batch_size, g.query_len) for g in step[0].groups] == [(7, 1), (1, 20), (1, 20)]
+    assert decode.lengths.tolist() == [9, 10, 11, 12, 12, 13, 14]
+    assert decode.rows.tolist() == [0, 21, 22, 23, 24, 25, 26]
+    _check_each_alone(model, seqs, cached, step, ("auto", "absorbed", "expanded"))

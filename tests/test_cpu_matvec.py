@@ -9,6 +9,7 @@ import torch
 from helpers import stepwise_logits
 
 from mci.kernels import cpu_matvec
+from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.loader import load_model
 
 matvec = cpu_matvec.load()
@@ -169,6 +170,33 @@ def test_a_model_on_the_kernels_stays_with_the_onednn_model(checkpoint):
     assert torch.equal(a.argmax(-1), b.argmax(-1))
     kernels.set_batch_invariant(True)  # batch-invariant mode keeps oneDNN's kernel throughout
     assert all(m.skinny(1) is None for m in kernels.modules() if hasattr(m, "skinny"))
+
+
+def test_verification_rows_read_in_place_stay_with_the_onednn_model(checkpoint):
+    """A step of speculative verifications (3 and 4 rows after cached prefixes) beside a decode:
+    on the kernels the rows attend in place in the decode group; each row's logits stay within
+    bf16 rounding of the oneDNN model's (where each verification is a prefill group)."""
+    path = checkpoint(dtype="bfloat16")
+    gen = torch.Generator().manual_seed(8)
+    seqs = [torch.randint(0, 2048, (n,), generator=gen) for n in (15, 21, 11)]
+    cached = [12, 17, 10]
+    models = [load_model(path, "bfloat16") for _ in range(2)]
+    models[0].pack_for_cpu(skinny_kernels=False)
+    models[1].pack_for_cpu()
+    assert models[1].attention_layout.row_query_max > 4 >= models[0].attention_layout.row_query_max
+    logits = []
+    for model in models:
+        cache = model.allocate_kv_cache(64)
+        slots = [torch.arange(i * 21, i * 21 + len(s)) for i, s in enumerate(seqs)]
+        for s, sl, c in zip(seqs, slots, cached):
+            model(s[:c], AttentionMetadata.build([SequenceChunk(sl[:c], c)]), cache)
+        chunks = [SequenceChunk(sl, len(s) - c) for s, sl, c in zip(seqs, slots, cached)]
+        meta = AttentionMetadata.build(chunks, "cpu", model.attention_layout)
+        new = torch.cat([s[c:] for s, c in zip(seqs, cached)])
+        logits.append(model.logits(model(new, meta, cache)))
+    assert len(AttentionMetadata.build(chunks, "cpu", models[1].attention_layout).groups) == 1
+    assert (logits[0] - logits[1]).abs().max() < 0.05
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
 
 
 def test_turned_off_by_the_environment(monkeypatch):

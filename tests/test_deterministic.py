@@ -42,7 +42,7 @@ def _target_logits(model, schedule, seqs) -> torch.Tensor:
             if k == 0:
                 mine = slice(offset, offset + n)
             offset, done[k] = offset + n, length
-        meta = AttentionMetadata.build(chunks, "cpu", model.attention_key_multiple)
+        meta = AttentionMetadata.build(chunks, "cpu", model.attention_layout)
         logits = model.logits(model(torch.tensor(ids), meta, cache))
         if mine is not None:
             rows.append(logits[mine])

@@ -47,6 +47,12 @@ from mci.parallel.context import ParallelContext
 # output is bitwise the same for key lengths 16..2,048 padded from 7 or 300 real keys).
 ATTENTION_KEY_MULTIPLE = 16
 
+# With the CPU kernels, a sequence of up to this many new tokens (a speculative verification's
+# k + 1 rows) attends in the decode group, each row read in place through the cache's slots,
+# instead of as a prefill group of its own (a gathered [1, L, D] context and a masked SDPA
+# call per sequence).
+IN_PLACE_QUERY_ROWS = 8
+
 
 def choose_absorbed(cfg: ModelConfig, meta: AttentionMetadata | AttentionGroup) -> bool:
     """True when the absorbed path costs fewer multiply-adds than the expanded one, for a

@@ -8,10 +8,13 @@ prefix plus the new ones). The metadata is built once per step and shared by eve
 Ragged, not padded: attention runs per *group*, and a group never pads a query.
 
 * the decode group: every sequence with q_b = 1, attended together as [B_d, 1, L] (contexts
-  padded to the longest, keys masked);
-* prefill chunks (q_b > 1) grouped by shape: the chunks with the same (q, L) attend together
-  as [B_s, q, L] with no padding at all (a burst of equal prompts is one batched call); a
-  chunk of its own shape attends alone.
+  padded to the longest, keys masked). With `AttentionLayout.row_query_max` = m > 1 the
+  sequences with q_b <= m join it too, one item per query row: row j of sequence b attends
+  to its first L_b - q_b + 1 + j keys (a speculative verification's k + 1 rows, read in place
+  by the CPU decode kernel instead of one gathered, masked call per sequence);
+* prefill chunks (q_b > 1, or > m) grouped by shape: the chunks with the same (q, L) attend
+  together as [B_s, q, L] with no padding at all (a burst of equal prompts is one batched
+  call); a chunk of its own shape attends alone.
 
 A mixed step (one 256-token prefill beside 15 decodes) thus costs its tokens' work, not
 16 x 256 padded query rows.
@@ -34,6 +37,22 @@ import torch
 
 
 @dataclass(frozen=True)
+class AttentionLayout:
+    """How a step's sequences are laid out for attention (chosen by the model, see
+    `DeepseekV3ForCausalLM.attention_layout`).
+
+    `key_multiple` > 1 pads every group's key length up to a multiple of it (the pad keys
+    masked out), so that a query's attention is computed over the same key blocks whatever
+    the other sequences of its group, the chunk it came in, or the step (see
+    `mci.layers.attention.ATTENTION_KEY_MULTIPLE`). Sequences with at most `row_query_max`
+    new tokens attend in the decode group, one item per query row.
+    """
+
+    key_multiple: int = 1
+    row_query_max: int = 1
+
+
+@dataclass(frozen=True)
 class SequenceChunk:
     """One sequence's part of a step: `num_new` tokens appended at the end of its context.
 
@@ -48,7 +67,8 @@ class SequenceChunk:
 @dataclass(frozen=True)
 class AttentionGroup:
     """Sequences attended together as one [batch_size, query_len, L] batch with no query
-    padding: all decodes (query_len 1), or prefill chunks of one shape.
+    padding: all decodes (query_len 1; a sequence with several query rows there is one item
+    per row), or prefill chunks of one shape.
 
     `rows` are the group's tokens in the step's flat layout, in [batch_size * query_len]
     order: a slice when they are contiguous, else an index tensor.
@@ -59,8 +79,8 @@ class AttentionGroup:
     query_len: int
     kv_slots: torch.Tensor  # [B, L] cache slots of each sequence's context (pad -> 0)
     mask: torch.Tensor | None  # [B, Q, L] bool, True = attend; None when nothing is masked
-    # [B] int64 context length of each sequence (the decode group: kernels that read the
-    # cache through `kv_slots` stop there instead of masking); None for prefill groups
+    # [B] int64 context length of each item (the decode group: kernels that read the cache
+    # through `kv_slots` stop there instead of masking); None for prefill groups
     lengths: torch.Tensor | None
     causal: bool  # a single fresh sequence (Q == L): `mask` is plain causal (is_causal works)
     sum_query_len: int
@@ -83,14 +103,12 @@ class AttentionMetadata:
 
     @staticmethod
     def build(
-        chunks: list[SequenceChunk], device: torch.device | str = "cpu", key_multiple: int = 1
+        chunks: list[SequenceChunk],
+        device: torch.device | str = "cpu",
+        layout: AttentionLayout = AttentionLayout(),
     ) -> AttentionMetadata:
-        """Build the step's tensors from per-sequence slot tensors (Python work is O(B)).
-
-        `key_multiple` > 1 pads every group's key length up to a multiple of it (the pad keys
-        masked out), so that a query's attention is computed over the same key blocks whatever
-        the other sequences of its group, the chunk it came in, or the step (see
-        `mci.layers.attention.ATTENTION_KEY_MULTIPLE`)."""
+        """Build the step's tensors from per-sequence slot tensors (Python work is O(B), and
+        O(rows) for the decode group's multi-row sequences)."""
         q_lens = [c.num_new for c in chunks]
         ctx_lens = [int(c.kv_slots.shape[0]) for c in chunks]
         for b, (q, length) in enumerate(zip(q_lens, ctx_lens, strict=True)):
@@ -100,17 +118,20 @@ class AttentionMetadata:
         for q in q_lens:
             starts.append(offset)
             offset += q
-        decodes = [b for b, q in enumerate(q_lens) if q == 1]
+        row_max = max(1, layout.row_query_max)
+        decodes = [b for b, q in enumerate(q_lens) if q <= row_max]
         groups = []
         if decodes:
-            groups.append(_decode_group(chunks, decodes, starts, ctx_lens, device, key_multiple))
+            groups.append(
+                _decode_group(chunks, decodes, starts, ctx_lens, device, layout.key_multiple)
+            )
         shapes: dict[tuple[int, int], list[int]] = {}
         for b, q in enumerate(q_lens):
-            if q > 1:
+            if q > row_max:
                 shapes.setdefault((q, ctx_lens[b]), []).append(b)
         groups += [
             _prefill_group(
-                [chunks[b] for b in seqs], [starts[b] for b in seqs], device, key_multiple
+                [chunks[b] for b in seqs], [starts[b] for b in seqs], device, layout.key_multiple
             )
             for seqs in shapes.values()
         ]
@@ -159,23 +180,32 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _decode_group(chunks, decodes, starts, ctx_lens, device, key_multiple) -> AttentionGroup:
-    """Every one-token sequence of the step, as one [B_d, 1, L] batch."""
-    lens = [ctx_lens[b] for b in decodes]
+    """Every sequence of the step in the decode group, as one [N, 1, L] batch: one item per
+    query row (N = B_d when every sequence has one new token)."""
+    rows, lens, row_seq = [], [], []
+    for i, b in enumerate(decodes):
+        q, length = chunks[b].num_new, ctx_lens[b]
+        rows.extend(range(starts[b], starts[b] + q))
+        lens.extend(range(length - q + 1, length + 1))  # causal within the new rows
+        row_seq.extend([i] * q)
     max_l = _round_up(max(lens), key_multiple)
     kv_slots = _stack_slots([chunks[b] for b in decodes], max_l)
+    if len(rows) > len(decodes):  # a sequence's rows share its context's slots
+        kv_slots = kv_slots[torch.tensor(row_seq)]
     mask = None
     if min(lens) != max_l:  # pad keys beyond a sequence's context are masked out
         mask = (torch.arange(max_l)[None, :] < torch.tensor(lens)[:, None])[:, None, :]
         mask = mask.to(device)
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     return AttentionGroup(
-        rows=_rows([starts[b] for b in decodes], 1, device),
-        batch_size=len(decodes),
+        rows=slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows).to(device),
+        batch_size=len(rows),
         query_len=1,
         kv_slots=kv_slots.to(device=device, dtype=torch.long),
         mask=mask,
         lengths=torch.tensor(lens, dtype=torch.long, device=device),
         causal=False,
-        sum_query_len=len(decodes),
+        sum_query_len=len(rows),
         sum_query_times_context=sum(lens),
         sum_context=sum(lens),
     )

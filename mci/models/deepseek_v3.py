@@ -15,8 +15,13 @@ from torch import nn
 
 from mci.config import ModelConfig
 from mci.kernels import cpu_matvec
-from mci.layers.attention import ATTENTION_KEY_MULTIPLE, MultiHeadLatentAttention, choose_absorbed
-from mci.layers.attention_metadata import AttentionMetadata
+from mci.layers.attention import (
+    ATTENTION_KEY_MULTIPLE,
+    IN_PLACE_QUERY_ROWS,
+    MultiHeadLatentAttention,
+    choose_absorbed,
+)
+from mci.layers.attention_metadata import AttentionLayout, AttentionMetadata
 from mci.layers.embedding import VocabEmbedding, VocabHead
 from mci.layers.linear import Linear
 from mci.layers.moe import MoE, RoutedExperts, TopKRouter
@@ -69,6 +74,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(cfg, dtype, parallel) for _ in range(num_mtp))
         self.batch_invariant = False  # see `set_batch_invariant`
         self.skinny_kernels = True  # `pack_for_cpu`'s choice, kept by `set_batch_invariant`
+        self.cpu_kernels: cpu_matvec.MatvecLibrary | None = None  # mci/kernels/, where they run
 
     @property
     def num_cache_layers(self) -> int:
@@ -85,6 +91,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             m.pack_for_cpu(skinny_kernels) for m in self.modules() if isinstance(m, Linear)
         )
         kernels = cpu_matvec.load() if skinny_kernels and packed else None
+        self.cpu_kernels = kernels
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.use_kernels(kernels)
@@ -145,9 +152,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.batch_invariant = enabled
 
     @property
-    def attention_key_multiple(self) -> int:
-        """What a step's attention groups pad their key length to (see `AttentionMetadata`)."""
-        return ATTENTION_KEY_MULTIPLE if self.batch_invariant else 1
+    def attention_layout(self) -> AttentionLayout:
+        """How a step's attention is grouped (see `AttentionMetadata`): keys padded for batch
+        invariance; with the CPU kernels, sequences of a few new tokens (a speculative
+        verification's k + 1) attend in the decode group, read in place."""
+        if self.batch_invariant:
+            return AttentionLayout(key_multiple=ATTENTION_KEY_MULTIPLE)
+        in_place = self.cpu_kernels is not None and self.dtype == torch.bfloat16
+        return AttentionLayout(row_query_max=IN_PLACE_QUERY_ROWS if in_place else 1)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

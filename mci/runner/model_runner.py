@@ -64,7 +64,7 @@ class ModelRunner:
             if item.sample:
                 sample_rows.extend(range(offset + known - 1, offset + n))
             offset += n
-        meta = AttentionMetadata.build(chunks, self.device, self.model.attention_key_multiple)
+        meta = AttentionMetadata.build(chunks, self.device, self.model.attention_layout)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta, self.kv_cache)
         self.forwards += 1

@@ -123,7 +123,7 @@ class MTPDrafter:
         return self._forward(chunks, next_ids, states[rows])[draft_rows]
 
     def _forward(self, chunks, next_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
-        meta = AttentionMetadata.build(chunks, self.device, self.model.attention_key_multiple)
+        meta = AttentionMetadata.build(chunks, self.device, self.model.attention_layout)
         ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)
         return self.model.mtp_hidden(0, ids, hidden, meta, self.kv_cache)
 
