@@ -10,6 +10,8 @@ from helpers import stepwise_logits
 
 from mci.kernels import cpu_matvec
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
+from mci.layers.mlp import GatedMLP
+from mci.layers.moe import MoE
 from mci.models.loader import load_model
 
 matvec = cpu_matvec.load()
@@ -197,6 +199,40 @@ def test_verification_rows_read_in_place_stay_with_the_onednn_model(checkpoint):
     assert len(AttentionMetadata.build(chunks, "cpu", models[1].attention_layout).groups) == 1
     assert (logits[0] - logits[1]).abs().max() < 0.05
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_one_call_moe_and_gated_mlp_take_the_eager_steps(checkpoint, size):
+    """The MoE block in one kernel call (cpu_moe.c) routes every token to the experts the
+    router picks, with its weights, and sums them as the general path does (float32 rounding
+    apart); the gated MLP in one call is bit for bit the eager one. An expert over the row
+    limit returns the routing only."""
+    model = load_model(checkpoint(size=size, dtype="bfloat16"), "bfloat16")
+    model.pack_for_cpu()
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    mlp = next(m for m in model.modules() if isinstance(m, GatedMLP))
+    g = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        for t in (1, 5, 12):
+            x = torch.randn(t, model.cfg.hidden_size, generator=g) * 2
+            assert moe._one_call(x) is not None
+            fused = moe(x)
+            weights, ids = moe.gate(x)
+            experts = moe.experts.gate_up_proj.weight, moe.experts.down_proj.weight
+            _, k_weights, k_ids = matvec.moe(x, moe.gate.logits(x), moe.gate, *experts, None, 16)
+            assert torch.equal(k_ids.sort(-1).values, ids.sort(-1).values)
+            order = (k_ids[:, :, None] == ids[:, None, :]).float().argmax(-1)
+            assert torch.allclose(k_weights, weights.gather(1, order), rtol=1e-6, atol=0)
+            out, _, _ = matvec.moe(x, moe.gate.logits(x), moe.gate, *experts, None, 0)
+            assert out is None  # every expert is over a limit of 0 rows
+            moe._one_call = lambda x: None  # the general path
+            reference = moe(x)
+            del moe._one_call
+            assert (fused - reference).abs().max() <= 1e-6 * reference.abs().max()
+            xb = x.to(torch.bfloat16)
+            gate, up = mlp.gate_up_proj(xb).chunk(2, dim=-1)
+            eager = mlp.down_proj(torch.nn.functional.silu(gate) * up)
+            assert torch.equal(mlp(xb), eager)
 
 
 def test_turned_off_by_the_environment(monkeypatch):

@@ -12,44 +12,13 @@
  * Parallel over output features with OpenMP; the process's OpenMP runtime is torch's own
  * (libgomp.so.1 is already loaded when this library is), so the two share one thread pool.
  */
-#include <immintrin.h>
-#include <math.h>
-#include <omp.h>
-#include <stdlib.h>
-#include <stdint.h>
+#include "cpu_kernels.h"
 
 #define TOKENS 4 /* rows of x per pass over a weight block */
 #define FEATS 4  /* weight rows per block */
 #ifndef PREFETCH
 #define PREFETCH 4 /* blocks of rows ahead */
 #endif
-
-static inline uint16_t round_bf16(float f) {
-    uint32_t u;
-    __builtin_memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float bf16_to_float(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Where a block's results go: bf16 rows y (row stride ldy), or, to combine routed experts'
- * outputs, added into float32 rows acc (row stride ldy) as acc[tok[j]] += wt[j] * y_j, with
- * y_j rounded to bf16 first: the same float32 products and sums, in the same order, as
- * mci/layers/moe.py's weighted index_add over assignments sorted by expert. */
-typedef struct {
-    uint16_t *y;
-    long ldy;
-    float *acc;
-    const int64_t *tok;
-    const float *wt;
-} Sink;
 
 static inline Sink sink_rows(Sink s, long r) {
     if (s.acc) {
@@ -168,9 +137,9 @@ void mci_bf16_linear(const uint16_t *x, long ldx, const uint16_t *w, uint16_t *y
     }
 }
 
-static void experts(const uint16_t *x, long ldx, const uint16_t *w, Sink y,
-                    const int64_t *ids, const int64_t *starts, const int64_t *counts,
-                    long segments, long n, long k) {
+void mci_experts_into(const uint16_t *x, long ldx, const uint16_t *w, Sink y,
+                      const int64_t *ids, const int64_t *starts, const int64_t *counts,
+                      long segments, long n, long k) {
 #pragma omp parallel
     {
         long n0, n1;
@@ -187,7 +156,7 @@ void mci_bf16_expert_linear(const uint16_t *x, long ldx, const uint16_t *w, uint
                             long ldy, const int64_t *ids, const int64_t *starts,
                             const int64_t *counts, long segments, long n, long k) {
     const Sink sink = {y, ldy, 0, 0, 0};
-    experts(x, ldx, w, sink, ids, starts, counts, segments, n, k);
+    mci_experts_into(x, ldx, w, sink, ids, starts, counts, segments, n, k);
 }
 
 /* The same, each output row then weighted and added into float32 rows: acc [*, n] (zeroed by
@@ -198,7 +167,7 @@ void mci_bf16_expert_linear_combine(const uint16_t *x, long ldx, const uint16_t 
                                     const int64_t *ids, const int64_t *starts,
                                     const int64_t *counts, long segments, long n, long k) {
     const Sink sink = {0, n, acc, tokens, weights};
-    experts(x, ldx, w, sink, ids, starts, counts, segments, n, k);
+    mci_experts_into(x, ldx, w, sink, ids, starts, counts, segments, n, k);
 }
 
 /* ---- decode attention over latent rows read through slot indices (MLA, absorbed) ---------
@@ -212,24 +181,6 @@ void mci_bf16_expert_linear_combine(const uint16_t *x, long ldx, const uint16_t 
  * (sequence, group of heads); each (b, h) is computed alone, in the same order whatever the
  * batch, so a sequence's result never depends on the others. */
 
-static inline __m512 exp512(__m512 x) {
-    /* e^x = 2^n * e^r, r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial for e^r
-     * (relative error ~2e-7, float32 rounding level); x below -87.3 gives 0. */
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-    r = _mm512_fnmadd_ps(n, ln2_lo, r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 #define MAX_HEADS_PER_ITEM 16
 #define MAX_LATENT 1024 /* c: DeepSeek-V3 has 512 */

@@ -1,13 +1,14 @@
 """Skinny bf16 matmuls on the CPU (decode sizes: up to 16 rows), decode attention over the
 latent cache read in place, and the small per-token steps around them (RMSNorm, rope, the
-latent cache write), from cpu_matvec.c.
+latent cache write), from cpu_matvec.c; the gated MLP and the whole MoE block at those sizes
+in one call each, from cpu_moe.c.
 
 At a few rows oneDNN's bf16 matmul is call-overhead and kernel bound, far below the memory
 bandwidth a weight read needs (measured on a 512x512 weight: ~60 us, against ~7 us for this
 kernel with the weight in cache, ~26 us streamed from L3). A single-stream decode step is ~100 such
 calls, so this is where its time went.
 
-The C source is compiled once per machine with the system's C compiler into a cache folder
+The C sources are compiled once per machine with the system's C compiler into a cache folder
 (`$XDG_CACHE_HOME/mci/kernels`, keyed by the source's hash), then loaded with ctypes, which
 releases the GIL during each call. `load()` returns None, and callers keep oneDNN, when the
 CPU lacks AVX512-BF16, there is no C compiler, the build fails, or `MCI_CPU_MATVEC=0`.
@@ -28,12 +29,14 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_matvec.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_matvec.c", "cpu_moe.c")]
+HEADER = Path(__file__).with_name("cpu_kernels.h")
 # -ffp-contract=off: where the C code writes a product and then a sum (rope, the experts'
 # weighted sum), they stay two roundings, as in the torch code they stand in for (explicit
 # fused multiply-add intrinsics elsewhere are unaffected).
@@ -72,7 +75,7 @@ def _build(target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *FLAGS, "-o", str(out), str(SOURCE)],
+            [compiler, *FLAGS, "-o", str(out), *map(str, SOURCES)],
             check=True,
             capture_output=True,
             timeout=120,
@@ -85,7 +88,8 @@ def load() -> MatvecLibrary | None:
     """The compiled kernels, or None where they cannot run here (see the module docstring)."""
     if os.environ.get("MCI_CPU_MATVEC", "1") == "0" or not _cpu_supports():
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    code = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
+    digest = hashlib.sha256(code + " ".join(FLAGS).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     target = cache / "mci" / "kernels" / f"cpu_matvec-{digest}.so"
     try:
@@ -127,6 +131,14 @@ class MatvecLibrary:
         self._latent.argtypes = [ptr, long, ptr, ctypes.c_float, ptr, ptr, ctypes.c_int, ptr,
                                  ptr, long, long, long]  # fmt: skip
         self._latent.restype = None
+        self._gated_mlp = lib.mci_bf16_gated_mlp
+        self._gated_mlp.argtypes = [ptr, long, ptr, ptr, long, long, long, ptr]
+        self._gated_mlp.restype = None
+        self._moe = lib.mci_bf16_moe
+        self._moe.argtypes = [ptr, ptr, ptr, long, long, long, long, long, ctypes.c_int,
+                              ctypes.c_float, ptr, ptr, ptr, ptr, long, long, ptr, ptr, long,
+                              long, ptr]  # fmt: skip
+        self._moe.restype = ctypes.c_int
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ weight [n, k]^T -> [m, n], bf16."""
@@ -321,3 +333,60 @@ class MatvecLibrary:
             c,
             d - c,
         )
+
+    def gated_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """mci/layers/mlp.py's GatedMLP: x [m, hidden] bf16 (unit column stride), gate_up
+        [2 * inter, hidden], down [hidden, inter] -> [m, hidden] bf16, the same roundings."""
+        m, hidden = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty(m, hidden, dtype=torch.bfloat16)
+        inter = down.shape[1]
+        self._gated_mlp(
+            x.data_ptr(), x.stride(0), gate_up.data_ptr(), down.data_ptr(), m, hidden, inter,
+            y.data_ptr(),
+        )  # fmt: skip
+        return y
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        router: MoERouting,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        shared: tuple[torch.Tensor, torch.Tensor] | None,
+        max_rows: int,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """mci/layers/moe.py's MoE after the router's matmul, for a few tokens: x float32
+        [T, hidden] contiguous, logits float32 [T, E]; the stacked experts' gate_up
+        [E, 2I, hidden] and down [E, hidden, I]; the shared experts' (gate_up, down) or None.
+        -> (out float32 [T, hidden], or None when an expert has more than `max_rows` tokens;
+        routing weights float32 [T, K]; expert ids int64 [T, K])."""
+        t, hidden = x.shape
+        e, k = logits.shape[1], router.top_k
+        x, logits = x.contiguous(), logits.contiguous()
+        weights = torch.empty(t, k, dtype=torch.float32)
+        ids = torch.empty(t, k, dtype=torch.long)
+        out = torch.empty(t, hidden, dtype=torch.float32)
+        s_gate_up, s_down = shared if shared is not None else (None, None)
+        status = self._moe(
+            x.data_ptr(), logits.data_ptr(), router.bias.data_ptr(), t, e, router.n_group,
+            router.topk_group, k, int(router.norm_topk_prob), router.scaling,
+            weights.data_ptr(), ids.data_ptr(), gate_up.data_ptr(), down.data_ptr(), hidden,
+            down.shape[2], None if s_gate_up is None else s_gate_up.data_ptr(),
+            None if s_down is None else s_down.data_ptr(),
+            0 if s_down is None else s_down.shape[1], max_rows, out.data_ptr(),
+        )  # fmt: skip
+        return (None if status else out), weights, ids
+
+
+class MoERouting(Protocol):
+    """What `MatvecLibrary.moe` reads of the router (mci/layers/moe.py's TopKRouter)."""
+
+    bias: torch.Tensor  # float32 [E], contiguous
+    top_k: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    scaling: float

@@ -24,5 +24,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(inter, (hidden,), dtype, fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        matvec = self.gate_up_proj.skinny(rows)
+        if matvec is not None and x.dtype == self.gate_up_proj.weight.dtype and x.dim() == 2:
+            # the same steps in one call of the CPU kernels (mci/kernels/cpu_moe.c)
+            return matvec.gated_mlp(x, self.gate_up_proj.weight, self.down_proj.weight)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

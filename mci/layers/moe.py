@@ -55,13 +55,19 @@ class TopKRouter(nn.Module):
         self._packed = pack_weight(self.weight) if enabled else None
         self._fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
 
+    @property
+    def bias(self) -> torch.Tensor:
+        return self.e_score_correction_bias
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> float32 [T, E], the gate's matmul (in float32)."""
+        if self._packed is not None:
+            return packed_linear(x.float(), self._packed, self._fixed_rows)
+        return F.linear(x.float(), self.weight)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, K] float32, expert ids [T, K] int64)."""
-        if self._packed is not None:
-            logits = packed_linear(x.float(), self._packed, self._fixed_rows)
-        else:
-            logits = F.linear(x.float(), self.weight)
-        scores = logits.sigmoid()  # [T, E]
+        scores = self.logits(x).sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
             grouped = choice.view(x.shape[0], self.n_group, -1)  # [T, G, E/G]
@@ -234,6 +240,11 @@ class RoutedExperts(nn.Module):
 class MoE(nn.Module):
     """Routed experts plus always-on shared experts; x: [T, hidden] -> float32 [T, hidden].
 
+    A step of a few tokens on one process with the CPU kernels runs the whole block after the
+    router's matmul in one call (mci/kernels/cpu_moe.c: the same operations as below, about
+    45 small torch ops fewer per layer), unless an expert gets more than
+    `cpu_matvec.EXPERT_MAX_ROWS` tokens; then the routing it computed feeds the paths below.
+
     Takes its input in float32 (the decoder layer's norm skips rounding it): routing is a
     discrete choice, and near-ties between experts flip on the rounding of the router's input,
     which moves a token's logprob by a lot more than any other rounding. The router reads the
@@ -259,6 +270,19 @@ class MoE(nn.Module):
                 cfg.hidden_size, inter, dtype, fp8_block, shards=parallel.tp_size
             )
 
+    def _one_call(self, x: torch.Tensor):
+        """The CPU kernels when this step's block runs as one call of them (see above)."""
+        matvec = self.experts.gate_up_proj.skinny(1)
+        if (
+            matvec is None
+            or self.parallel.world_size > 1
+            or x.shape[0] > cpu_matvec.MAX_ROWS
+            or x.dtype != torch.float32
+            or self.gate._packed is not None  # batch invariance: the gate's own kernel
+        ):
+            return None
+        return matvec
+
     def idle(self) -> None:
         """Take part in the token exchange with no tokens (data-parallel attention: a rank
         without work this step; the others' collectives need it)."""
@@ -271,7 +295,23 @@ class MoE(nn.Module):
         """One all-reduce in a parallel run: of routed + shared when both are partial sums
         (tensor parallelism), of the routed part alone when the shared experts are whole on
         every rank (expert parallelism without tensor parallelism)."""
-        weights, ids = self.gate(x)
+        matvec = self._one_call(x)
+        if matvec is not None:  # a few tokens on one process: the whole block in one call
+            shared = self.shared_experts
+            in_call = shared is not None and shared.gate_up_proj.skinny(x.shape[0]) is not None
+            experts = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
+            out, weights, ids = matvec.moe(
+                x,
+                self.gate.logits(x),
+                self.gate,
+                *experts,
+                (shared.gate_up_proj.weight, shared.down_proj.weight) if in_call else None,
+                cpu_matvec.EXPERT_MAX_ROWS,
+            )
+            if out is not None:
+                return out if shared is None or in_call else out + shared(x.to(self.dtype))
+        else:
+            weights, ids = self.gate(x)
         x = x.to(self.dtype)
         if self.parallel.dp_attention:  # this rank's own tokens; shared experts whole here
             out = dispatch(self.experts, x, weights, ids, self.parallel)

@@ -1,0 +1,68 @@
+/* What the CPU kernels' translation units share (mci/kernels/cpu_matvec.py builds them into
+ * one library): bf16 conversions, the output sink of the matmuls, the vector exp. */
+#ifndef MCI_CPU_KERNELS_H
+#define MCI_CPU_KERNELS_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_float(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Where a block's results go: bf16 rows y (row stride ldy), or, to combine routed experts'
+ * outputs, added into float32 rows acc (row stride ldy) as acc[tok[j]] += wt[j] * y_j, with
+ * y_j rounded to bf16 first: the same float32 products and sums, in the same order, as
+ * mci/layers/moe.py's weighted index_add over assignments sorted by expert. */
+typedef struct {
+    uint16_t *y;
+    long ldy;
+    float *acc;
+    const int64_t *tok;
+    const float *wt;
+} Sink;
+
+static inline __m512 exp512(__m512 x) {
+    /* e^x = 2^n * e^r, r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial for e^r
+     * (relative error ~2e-7, float32 rounding level); x below -87.3 gives 0. */
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+    r = _mm512_fnmadd_ps(n, ln2_lo, r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Stacked experts into a sink: for each segment s, rows [starts[s], starts[s] + counts[s]) of
+ * x go through expert ids[s] (w + ids[s] * n * k, an [n, k] weight). cpu_matvec.c. */
+void mci_experts_into(const uint16_t *x, long ldx, const uint16_t *w, Sink y,
+                      const int64_t *ids, const int64_t *starts, const int64_t *counts,
+                      long segments, long n, long k);
+
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ w [n, k]^T; bf16. cpu_matvec.c. */
+void mci_bf16_linear(const uint16_t *x, long ldx, const uint16_t *w, uint16_t *y, long ldy,
+                     long m, long n, long k);
+
+#endif

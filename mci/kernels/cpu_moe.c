@@ -1,0 +1,177 @@
+/* Decode-sized feed-forward blocks in one call each: the SiLU-gated MLP (dense layers,
+ * shared experts) and DeepSeek's MoE after its router matmul (routing, dispatch, the routed
+ * experts, their weighted sum, the shared experts).
+ *
+ * Why: at a few rows these blocks are ~45 small torch ops per MoE layer (the router's top-k
+ * steps, a sort, a bincount, index copies, two kernel calls, silu, mul, adds), each costing
+ * more in dispatch than in arithmetic. Here they are one call: the matmuls are
+ * cpu_matvec.c's, and every other step computes what the torch code it stands in for does,
+ * in the same float32 operations and roundings (mci/layers/moe.py, mci/layers/mlp.py):
+ *
+ *   silu_mul   act = bf16(bf16(g / (1 + exp(-g))) * u)          (torch's bf16 silu, then mul)
+ *   routing    scores = 1 / (1 + exp(-logits)); choice = scores + bias; group-limited top-k;
+ *              weights = scores at the chosen experts [/ (their sum + 1e-20)] * scaling
+ *   combine    out[t] = sum over t's experts in expert order of weight * bf16(expert(x[t]))
+ *              (+ bf16 shared(x[t])), all float32
+ *
+ * The exps are this library's polynomial (exp512) or libm's expf, not torch's Sleef ones:
+ * within a float32 ulp, which the bf16 rounding after silu hides, but a router score may
+ * differ in its last bit, and an exactly tied expert choice may fall the other way.
+ */
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+/* act [rows, inter] = silu(gu[:, :inter]) * gu[:, inter:], both steps rounded to bf16 as
+ * torch's bf16 ops do; gu [rows, 2 * inter] contiguous. */
+static void silu_mul(const uint16_t *gu, long rows, long inter, uint16_t *act) {
+#pragma omp parallel for schedule(static) if (rows * inter >= 65536)
+    for (long r = 0; r < rows; r++) {
+        const uint16_t *g = gu + r * 2 * inter, *u = g + inter;
+        uint16_t *out = act + r * inter;
+        for (long i = 0; i < inter; i += 16) {
+            const __mmask16 m = (inter - i) >= 16 ? (__mmask16)0xffff
+                                                  : (__mmask16)((1u << (inter - i)) - 1);
+            const __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g + i)), 16));
+            const __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, u + i)), 16));
+            const __m512 s = _mm512_div_ps(
+                gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            float sv[16], uf[16];
+            _mm512_storeu_ps(sv, s);
+            _mm512_storeu_ps(uf, uv);
+            for (int j = 0; j < 16 && i + j < inter; j++)
+                out[i + j] = round_bf16(bf16_to_float(round_bf16(sv[j])) * uf[j]);
+        }
+    }
+}
+
+/* y [m, hidden] bf16 = down(silu(gate(x)) * up(x)): x [m, hidden] bf16 (row stride ldx),
+ * w_gate_up [2 * inter, hidden], w_down [hidden, inter]. */
+void mci_bf16_gated_mlp(const uint16_t *x, long ldx, const uint16_t *w_gate_up,
+                        const uint16_t *w_down, long m, long hidden, long inter, uint16_t *y) {
+    uint16_t *gu = malloc(sizeof(uint16_t) * m * 3 * inter), *act = gu + m * 2 * inter;
+    mci_bf16_linear(x, ldx, w_gate_up, gu, 2 * inter, m, 2 * inter, hidden);
+    silu_mul(gu, m, inter, act);
+    mci_bf16_linear(act, inter, w_down, y, hidden, m, hidden, inter);
+    free(gu);
+}
+
+/* One token's routing (TopKRouter.forward after its matmul): ids in descending choice order. */
+static void route(const float *logits, const float *bias, long e, long n_group, long topk_group,
+                  long top_k, int norm, float scaling, float *scores, float *choice,
+                  float *weights, int64_t *ids) {
+    for (long i = 0; i < e; i++) {
+        scores[i] = 1.0f / (1.0f + expf(-logits[i]));
+        choice[i] = scores[i] + bias[i];
+    }
+    if (n_group > 1) {
+        const long size = e / n_group;
+        float group_score[n_group];
+        for (long g = 0; g < n_group; g++) {  /* the sum of the group's top two */
+            float a = -INFINITY, b = -INFINITY;
+            for (long i = g * size; i < (g + 1) * size; i++) {
+                if (choice[i] > a) {
+                    b = a;
+                    a = choice[i];
+                } else if (choice[i] > b) {
+                    b = choice[i];
+                }
+            }
+            group_score[g] = a + b;
+        }
+        char keep[n_group];
+        memset(keep, 0, n_group);
+        for (long k = 0; k < topk_group; k++) {
+            long best = -1;
+            for (long g = 0; g < n_group; g++)
+                if (!keep[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+            keep[best] = 1;
+        }
+        for (long g = 0; g < n_group; g++)
+            if (!keep[g])
+                for (long i = g * size; i < (g + 1) * size; i++) choice[i] = -INFINITY;
+    }
+    float sum = 0.0f;
+    for (long k = 0; k < top_k; k++) {
+        long best = -1;
+        for (long i = 0; i < e; i++) {
+            int taken = 0;
+            for (long j = 0; j < k; j++) taken |= ids[j] == i;
+            if (!taken && (best < 0 || choice[i] > choice[best])) best = i;
+        }
+        ids[k] = best;
+        weights[k] = scores[best];
+        sum += weights[k];
+    }
+    for (long k = 0; k < top_k; k++) {
+        if (norm) weights[k] = weights[k] / (sum + 1e-20f);
+        weights[k] = weights[k] * scaling;
+    }
+}
+
+/* The MoE block for a few tokens: x float32 [t, hidden] (rounded to bf16 for the experts, as
+ * MoE.forward does), logits float32 [t, e] (the router's matmul), bias float32 [e];
+ * w_gate_up [e, 2 * inter, hidden], w_down [e, hidden, inter] (stacked, bf16); the shared
+ * experts' w_s_gate_up [2 * s_inter, hidden] and w_s_down [hidden, s_inter], or NULL.
+ * Always writes each token's routing, weights [t, top_k] and ids [t, top_k]. Returns 1, and
+ * stops there, when an expert has more than max_rows tokens (the caller's grouped matmuls
+ * suit that step better); else writes out float32 [t, hidden] and returns 0. */
+int mci_bf16_moe(const float *x, const float *logits, const float *bias, long t, long e,
+                 long n_group, long topk_group, long top_k, int norm, float scaling,
+                 float *weights, int64_t *ids, const uint16_t *w_gate_up, const uint16_t *w_down,
+                 long hidden, long inter, const uint16_t *w_s_gate_up, const uint16_t *w_s_down,
+                 long s_inter, long max_rows, float *out) {
+    float scores[e], choice[e];
+    for (long r = 0; r < t; r++)
+        route(logits + r * e, bias, e, n_group, topk_group, top_k, norm, scaling, scores, choice,
+              weights + r * top_k, ids + r * top_k);
+    /* assignments a = r * top_k + k sorted by expert, then by a (MoE's stable argsort) */
+    const long a_count = t * top_k;
+    int64_t counts[e], first[e];
+    memset(counts, 0, sizeof(counts));
+    for (long a = 0; a < a_count; a++) counts[ids[a]]++;
+    int64_t seg_ids[e], seg_starts[e], seg_counts[e];
+    long segments = 0, start = 0;
+    for (long i = 0; i < e; i++) {
+        if (counts[i] > max_rows) return 1;
+        first[i] = start;
+        if (counts[i]) {
+            seg_ids[segments] = i;
+            seg_starts[segments] = start;
+            seg_counts[segments++] = counts[i];
+        }
+        start += counts[i];
+    }
+    int64_t *tokens = malloc(sizeof(int64_t) * a_count);
+    float *sorted_weights = malloc(sizeof(float) * a_count);
+    uint16_t *xs = malloc(sizeof(uint16_t) * (a_count * (hidden + 3 * inter) + t * hidden));
+    uint16_t *gu = xs + a_count * hidden, *act = gu + a_count * 2 * inter;
+    uint16_t *xb = act + a_count * inter; /* x rounded to bf16 */
+    for (long i = 0; i < t * hidden; i++) xb[i] = round_bf16(x[i]);
+    for (long a = 0; a < a_count; a++) {
+        const long row = first[ids[a]]++;
+        tokens[row] = a / top_k;
+        sorted_weights[row] = weights[a];
+        memcpy(xs + row * hidden, xb + (a / top_k) * hidden, sizeof(uint16_t) * hidden);
+    }
+    const Sink rows = {gu, 2 * inter, 0, 0, 0};
+    mci_experts_into(xs, hidden, w_gate_up, rows, seg_ids, seg_starts, seg_counts, segments,
+                     2 * inter, hidden);
+    silu_mul(gu, a_count, inter, act);
+    memset(out, 0, sizeof(float) * t * hidden);
+    const Sink combine = {0, hidden, out, tokens, sorted_weights};
+    mci_experts_into(act, inter, w_down, combine, seg_ids, seg_starts, seg_counts, segments,
+                     hidden, inter);
+    if (w_s_gate_up) { /* out + shared: float32 + bf16, as MoE.forward adds them */
+        uint16_t *shared = malloc(sizeof(uint16_t) * t * hidden);
+        mci_bf16_gated_mlp(xb, hidden, w_s_gate_up, w_s_down, t, hidden, s_inter, shared);
+        for (long i = 0; i < t * hidden; i++) out[i] += bf16_to_float(shared[i]);
+        free(shared);
+    }
+    free(tokens);
+    free(sorted_weights);
+    free(xs);
+    return 0;
+}
