@@ -235,6 +235,52 @@ def test_one_call_moe_and_gated_mlp_take_the_eager_steps(checkpoint, size):
             assert torch.equal(mlp(xb), eager)
 
 
+@pytest.mark.parametrize(
+    "config", [{"size": "tiny"}, {"size": "small"}, {"size": "tiny", "q_lora_rank": None}]
+)
+def test_attention_in_one_call_is_the_kernel_path_bit_for_bit(checkpoint, config, monkeypatch):
+    """A decode step (one row per sequence, or a verification's few) with the attention
+    sublayer in one call (cpu_mla.c) gives the same logits and writes the same latents as the
+    layer's kernel path op by op; a step with a prefill chunk does not take it."""
+    from mci.layers.attention import MultiHeadLatentAttention
+
+    model = load_model(checkpoint(dtype="bfloat16", **config), "bfloat16")
+    model.pack_for_cpu()
+    one_call = MultiHeadLatentAttention.decode_in_one_call
+    calls = []
+
+    def counted(*args):
+        out = one_call(*args)
+        calls.append(out is not None)
+        return out
+
+    for q_rows in (1, 3):
+        results = []
+        for fn in (counted, lambda *args: None):
+            monkeypatch.setattr(MultiHeadLatentAttention, "decode_in_one_call", fn)
+            cache = model.allocate_kv_cache(256)
+            cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(2)))
+            chunks = [
+                SequenceChunk(torch.arange(b * 60, b * 60 + 40 + 7 * b), q_rows) for b in range(3)
+            ]
+            meta = AttentionMetadata.build(chunks, "cpu", model.attention_layout)
+            ids = torch.randint(0, 2048, (3 * q_rows,), generator=torch.Generator().manual_seed(3))
+            with torch.inference_mode():
+                results.append((model.logits(model(ids, meta, cache)), cache))
+        assert torch.equal(results[0][0], results[1][0]) and torch.equal(
+            results[0][1], results[1][1]
+        )
+    assert calls and all(calls)
+    calls.clear()
+    monkeypatch.setattr(MultiHeadLatentAttention, "decode_in_one_call", counted)
+    prefill = AttentionMetadata.build(
+        [SequenceChunk(torch.arange(30), 30)], "cpu", model.attention_layout
+    )
+    with torch.inference_mode():
+        model(torch.arange(30), prefill, model.allocate_kv_cache(64))
+    assert calls and not any(calls)
+
+
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("MCI_CPU_MATVEC", "0")
     cpu_matvec.load.cache_clear()

@@ -61,6 +61,17 @@ void mci_experts_into(const uint16_t *x, long ldx, const uint16_t *w, Sink y,
                       const int64_t *ids, const int64_t *starts, const int64_t *counts,
                       long segments, long n, long k);
 
+/* One weight's rows [n0, n1) (of w [n, k]) for all m rows of x into a sink. cpu_matvec.c. */
+void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
+                    long n0, long n1);
+
+/* The share [n0, n1) of n output features that thread `id` of `count` takes. cpu_matvec.c. */
+void mci_share(long n, int id, int count, long *n0, long *n1);
+
+/* RMSNorm rows of float32 or bf16 x into float32 or bf16 y. cpu_matvec.c. */
+void mci_rms_norm(const void *x, long ldx, int x_bf16, const uint16_t *w, void *y, int y_bf16,
+                  long rows, long n, float eps);
+
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ w [n, k]^T; bf16. cpu_matvec.c. */
 void mci_bf16_linear(const uint16_t *x, long ldx, const uint16_t *w, uint16_t *y, long ldy,
                      long m, long n, long k);

@@ -103,7 +103,7 @@ static inline __attribute__((always_inline)) void block_rows(
 }
 
 /* One weight's rows [n0, n1) for all m rows of x, TOKENS rows at a time. */
-static void rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
+void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
                        long n0, long n1) {
     for (long r = 0; r < m; r += TOKENS) {
         const uint16_t *xr = x + r * ldx;
@@ -118,7 +118,7 @@ static void rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, S
 }
 
 /* The share [n0, n1) of n features that thread `id` of `count` takes (whole FEATS blocks). */
-static void share(long n, int id, int count, long *n0, long *n1) {
+void mci_share(long n, int id, int count, long *n0, long *n1) {
     const long blocks = (n + FEATS - 1) / FEATS;
     const long b0 = blocks * id / count, b1 = blocks * (id + 1) / count;
     *n0 = b0 * FEATS;
@@ -131,9 +131,9 @@ void mci_bf16_linear(const uint16_t *x, long ldx, const uint16_t *w, uint16_t *y
 #pragma omp parallel
     {
         long n0, n1;
-        share(n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
+        mci_share(n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
         const Sink sink = {y, ldy, 0, 0, 0};
-        rows_range(x, ldx, w, k, sink, m, n0, n1);
+        mci_rows_range(x, ldx, w, k, sink, m, n0, n1);
     }
 }
 
@@ -143,9 +143,9 @@ void mci_experts_into(const uint16_t *x, long ldx, const uint16_t *w, Sink y,
 #pragma omp parallel
     {
         long n0, n1;
-        share(n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
+        mci_share(n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
         for (long s = 0; s < segments; s++)
-            rows_range(x + starts[s] * ldx, ldx, w + ids[s] * n * k, k, sink_rows(y, starts[s]),
+            mci_rows_range(x + starts[s] * ldx, ldx, w + ids[s] * n * k, k, sink_rows(y, starts[s]),
                        counts[s], n0, n1);
     }
 }
@@ -168,122 +168,6 @@ void mci_bf16_expert_linear_combine(const uint16_t *x, long ldx, const uint16_t 
                                     const int64_t *counts, long segments, long n, long k) {
     const Sink sink = {0, n, acc, tokens, weights};
     mci_experts_into(x, ldx, w, sink, ids, starts, counts, segments, n, k);
-}
-
-/* ---- decode attention over latent rows read through slot indices (MLA, absorbed) ---------
- * One query row per sequence (decode): for sequence b and head h,
- *   s[l] = scale * <q[b, h, :], cache[slots[b, l], :]>        l < lens[b]   (float32 sums)
- *   p    = softmax(s)                                         (float32)
- *   out[b, h, :] = sum_l p[l] * cache[slots[b, l], :c]        rounded once to bf16
- * q [B, H, d] bf16 contiguous; cache [rows, d] bf16 (one layer's latent rows); slots [B, lds]
- * int64; out [B, H, c] bf16 contiguous (c <= d: the latent part of each row, the value).
- * The cache is read in place: no gathered copy of the context. Work is split over
- * (sequence, group of heads); each (b, h) is computed alone, in the same order whatever the
- * batch, so a sequence's result never depends on the others. */
-
-
-#define MAX_HEADS_PER_ITEM 16
-#define MAX_LATENT 1024 /* c: DeepSeek-V3 has 512 */
-
-static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const int64_t *slots,
-                       long len, long c, float scale, uint16_t *out, int heads, float *scores) {
-    const long d_full = d & ~31L;
-    const __mmask32 d_tail = (__mmask32)((1ULL << (d - d_full)) - 1);
-    /* pass 1: scores [heads][len] */
-    for (long l = 0; l < len; l++) {
-        const uint16_t *row = cache + slots[l] * d;
-        for (int h = 0; h < heads; h++) {
-            const uint16_t *qh = q + h * d;
-            __m512 acc = _mm512_setzero_ps();
-            for (long kk = 0; kk < d_full; kk += 32)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + kk),
-                                       (__m512bh)_mm512_loadu_si512(qh + kk));
-            if (d_tail)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(d_tail, row + d_full),
-                                       (__m512bh)_mm512_maskz_loadu_epi16(d_tail, qh + d_full));
-            scores[h * len + l] = _mm512_reduce_add_ps(acc) * scale;
-        }
-    }
-    /* softmax per head, in place; the sum kept for the end */
-    float total[MAX_HEADS_PER_ITEM];
-    for (int h = 0; h < heads; h++) {
-        float *s = scores + h * len;
-        float mx = -INFINITY;
-        for (long l = 0; l < len; l++) mx = s[l] > mx ? s[l] : mx;
-        const __m512 vmx = _mm512_set1_ps(mx);
-        __m512 vsum = _mm512_setzero_ps();
-        long l = 0;
-        for (; l + 16 <= len; l += 16) {
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + l), vmx));
-            _mm512_storeu_ps(s + l, e);
-            vsum = _mm512_add_ps(vsum, e);
-        }
-        if (l < len) {
-            const __mmask16 m = (__mmask16)((1u << (len - l)) - 1);
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + l), vmx));
-            _mm512_mask_storeu_ps(s + l, m, e);
-            vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
-        }
-        total[h] = _mm512_reduce_add_ps(vsum);
-    }
-    /* pass 2: out[h] = sum_l p[h][l] * row[:c], float32 accumulators in L1 */
-    float acc[MAX_HEADS_PER_ITEM][MAX_LATENT] __attribute__((aligned(64)));
-    for (int h = 0; h < heads; h++)
-        for (long j = 0; j < c; j++) acc[h][j] = 0.0f;
-    const long c_full = c & ~15L;
-    const __mmask16 c_tail = (__mmask16)((1u << (c - c_full)) - 1);
-    for (long l = 0; l < len; l++) {
-        const uint16_t *row = cache + slots[l] * d;
-        for (long j = 0; j < c_full; j += 16) {
-            const __m512 v = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + j))), 16));
-            for (int h = 0; h < heads; h++)
-                _mm512_store_ps(acc[h] + j, _mm512_fmadd_ps(_mm512_set1_ps(scores[h * len + l]), v,
-                                                             _mm512_load_ps(acc[h] + j)));
-        }
-        if (c_tail) {
-            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(c_tail, row + c_full)), 16));
-            for (int h = 0; h < heads; h++)
-                _mm512_store_ps(acc[h] + c_full,
-                                _mm512_fmadd_ps(_mm512_set1_ps(scores[h * len + l]), v,
-                                                _mm512_load_ps(acc[h] + c_full)));
-        }
-    }
-    for (int h = 0; h < heads; h++) {
-        const float inv = 1.0f / total[h];
-        for (long j = 0; j < c; j++) out[h * c + j] = round_bf16(acc[h][j] * inv);
-    }
-}
-
-/* Returns 0, or -1 when the shapes exceed this kernel's fixed buffers (caller falls back). */
-int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
-                                     const int64_t *slots, long ldslots, const int64_t *lens,
-                                     long batch, long heads, long d, long c, float scale,
-                                     uint16_t *out) {
-    if (c > MAX_LATENT || d > 4 * MAX_LATENT) return -1;
-    const int threads = omp_get_max_threads();
-    /* few sequences: split the heads too, so every thread has work */
-    long per = heads;
-    if (batch < threads) per = (heads * batch + threads - 1) / threads;
-    if (per > MAX_HEADS_PER_ITEM) per = MAX_HEADS_PER_ITEM;
-    if (per < 1) per = 1;
-    const long groups = (heads + per - 1) / per;
-    long max_len = 0;
-    for (long b = 0; b < batch; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-#pragma omp parallel
-    {
-        float *scores = (float *)aligned_alloc(64, ((per * max_len * 4 + 63) / 64) * 64 + 64);
-#pragma omp for schedule(dynamic, 1)
-        for (long item = 0; item < batch * groups; item++) {
-            const long b = item / groups, h0 = (item % groups) * per;
-            const int nh = (int)((heads - h0) < per ? (heads - h0) : per);
-            attend_one(q + (b * heads + h0) * d, d, cache, slots + b * ldslots, lens[b], c, scale,
-                       out + (b * heads + h0) * c, nh, scores);
-        }
-        free(scores);
-    }
-    return 0;
 }
 
 /* ---- RMSNorm ------------------------------------------------------------------------------
@@ -326,50 +210,5 @@ void mci_rms_norm(const void *x, long ldx, int x_bf16, const uint16_t *w, void *
                 _mm512_mask_storeu_ps((float *)y + r * n + j, m, out);
             }
         }
-    }
-}
-
-/* ---- rotary embedding and the latent cache write (MLA) ------------------------------------
- * rope(v)[i] = v1[i] * cos[i] - v2[i] * sin[i],  rope(v)[h + i] = v2[i] * cos[i] + v1[i] * sin[i]
- * (h = r/2 pairs; interleaved checkpoints pair (2i, 2i+1), the others (i, i + h)): each product
- * and the sum rounded in float32, as mci/layers/rotary.py computes them, then rounded once to
- * bf16. */
-static inline void rope_row(const uint16_t *v, const float *cos, const float *sin, long r,
-                            int interleave, uint16_t *out) {
-    const long h = r / 2;
-    for (long i = 0; i < h; i++) {
-        const float a = bf16_to_float(interleave ? v[2 * i] : v[i]);
-        const float b = bf16_to_float(interleave ? v[2 * i + 1] : v[h + i]);
-        const float ac = a * cos[i], bs = b * sin[i], bc = b * cos[i], as = a * sin[i];
-        out[i] = round_bf16(ac - bs);
-        out[h + i] = round_bf16(bc + as);
-    }
-}
-
-/* x [T, H, r] bf16 (strides ldt per token, ldh per head) -> out [T, H, r] bf16 contiguous;
- * cos/sin [T, r/2] float32. */
-void mci_rope_heads(const uint16_t *x, long ldt, long ldh, const float *cos, const float *sin,
-                    long tokens, long heads, long r, int interleave, uint16_t *out) {
-#pragma omp parallel for schedule(static) if (tokens * heads >= 256)
-    for (long t = 0; t < tokens; t++)
-        for (long hd = 0; hd < heads; hd++)
-            rope_row(x + t * ldt + hd * ldh, cos + t * (r / 2), sin + t * (r / 2), r, interleave,
-                     out + (t * heads + hd) * r);
-}
-
-/* The new latent rows of a step, written straight into one layer's cache: for token t,
- * cache[slots[t]] = [ rmsnorm(latent[t, :c]) * w | rope(latent[t, c:c+r]) ], each part rounded
- * once to bf16 (the norm as mci_rms_norm computes it: within float32 rounding of the eager
- * norm; the rope part bit for bit). latent [T, c + r] bf16 with row
- * stride ld; cache [*, c + r] bf16 contiguous. */
-void mci_write_latent_rows(const uint16_t *latent, long ld, const uint16_t *w, float eps,
-                           const float *cos, const float *sin, int interleave,
-                           uint16_t *cache, const int64_t *slots, long tokens, long c, long r) {
-    const long d = c + r;
-#pragma omp parallel for schedule(static) if (tokens >= 64)
-    for (long t = 0; t < tokens; t++) {
-        uint16_t *row = cache + slots[t] * d;
-        mci_rms_norm(latent + t * ld, ld, 1, w, row, 1, 1, c, eps);
-        rope_row(latent + t * ld + c, cos + t * (r / 2), sin + t * (r / 2), r, interleave, row + c);
     }
 }

@@ -35,7 +35,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_matvec.c", "cpu_moe.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_matvec.c", "cpu_mla.c", "cpu_moe.c")]
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 # -ffp-contract=off: where the C code writes a product and then a sum (rope, the experts'
 # weighted sum), they stay two roundings, as in the torch code they stand in for (explicit
@@ -101,6 +101,37 @@ def load() -> MatvecLibrary | None:
         return None
 
 
+class MLAWeights(Protocol):
+    """What `MatvecLibrary.mla_decode` reads of an attention layer (bf16 weights, contiguous;
+    mci/layers/attention.py's MultiHeadLatentAttention and its norms)."""
+
+    norm: tuple[torch.Tensor, float]  # the layer's input RMSNorm (weight, eps)
+    qkv_a: torch.Tensor  # [q_dim + c + r, hidden]
+    q_dim: int
+    q_norm: tuple[torch.Tensor, float] | None  # with q_lora: its RMSNorm
+    q_b: torch.Tensor | None  # with q_lora: [heads * (nope + r), q_dim]
+    kv_norm: tuple[torch.Tensor, float]
+    w_uk_t: torch.Tensor  # [heads, c, nope]
+    w_uv: torch.Tensor  # [heads, v, c]
+    o: torch.Tensor  # [hidden, heads * v]
+    heads: int
+    nope: int
+    rope: int
+    interleave: bool
+    scale: float
+
+
+class MoERouting(Protocol):
+    """What `MatvecLibrary.moe` reads of the router (mci/layers/moe.py's TopKRouter)."""
+
+    bias: torch.Tensor  # float32 [E], contiguous
+    top_k: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    scaling: float
+
+
 class MatvecLibrary:
     """Typed entry points of the compiled library. Inputs: bf16 CPU tensors, weights
     contiguous, activations with a unit last-dimension stride."""
@@ -139,6 +170,12 @@ class MatvecLibrary:
                               ctypes.c_float, ptr, ptr, ptr, ptr, long, long, ptr, ptr, long,
                               long, ptr]  # fmt: skip
         self._moe.restype = ctypes.c_int
+        self._mla = lib.mci_bf16_mla_decode
+        self._mla.argtypes = [ptr, long, long, ptr, ctypes.c_float, ptr, long, ptr,
+                              ctypes.c_float, ptr, long, long, long, long, long, ptr,
+                              ctypes.c_float, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr,
+                              long, ptr, ctypes.c_float, ptr, ptr]  # fmt: skip
+        self._mla.restype = ctypes.c_int
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ weight [n, k]^T -> [m, n], bf16."""
@@ -380,13 +417,39 @@ class MatvecLibrary:
         )  # fmt: skip
         return (None if status else out), weights, ids
 
-
-class MoERouting(Protocol):
-    """What `MatvecLibrary.moe` reads of the router (mci/layers/moe.py's TopKRouter)."""
-
-    bias: torch.Tensor  # float32 [E], contiguous
-    top_k: int
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    scaling: float
+    def mla_decode(
+        self,
+        x: torch.Tensor,
+        layer: MLAWeights,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: torch.Tensor,
+        write_slots: torch.Tensor,
+        kv_slots: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:
+        """x + the attention sublayer (input norm through o_proj) for a decode step in one
+        call: x float32 [T, hidden] (the residual stream), T rows each attending over
+        cache[kv_slots[t, :lengths[t]]] (one layer's latent rows, bf16 contiguous) after this
+        step's latents are written to cache[write_slots]; cos/sin float32 [T, r/2].
+        -> float32 [T, hidden]. The same steps as the layer's kernel path (cpu_mla.c)."""
+        t, hidden = x.shape
+        c, v = layer.w_uv.shape[2], layer.w_uv.shape[1]
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        if kv_slots.stride(1) != 1 or not cache.is_contiguous():
+            raise ValueError("mla_decode: cache rows and slots must be contiguous")
+        out = torch.empty(t, hidden, dtype=torch.float32)
+        q_norm, q_eps = layer.q_norm if layer.q_norm is not None else (None, 0.0)
+        status = self._mla(
+            x.data_ptr(), t, hidden, layer.norm[0].data_ptr(), layer.norm[1],
+            layer.qkv_a.data_ptr(), layer.q_dim, None if q_norm is None else q_norm.data_ptr(),
+            q_eps, None if layer.q_b is None else layer.q_b.data_ptr(), layer.heads,
+            layer.nope, layer.rope, c, v, layer.kv_norm[0].data_ptr(), layer.kv_norm[1],
+            cos.data_ptr(), sin.data_ptr(), int(layer.interleave), cache.data_ptr(),
+            write_slots.data_ptr(), layer.w_uk_t.data_ptr(), layer.w_uv.data_ptr(),
+            kv_slots.data_ptr(), kv_slots.stride(0), lengths.data_ptr(), layer.scale,
+            layer.o.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"mla_decode: kv_lora_rank {c} > {MAX_LATENT}")
+        return out

@@ -21,6 +21,8 @@ prefill the expanded one. Both are tested equal.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,6 +70,26 @@ def choose_absorbed(cfg: ModelConfig, meta: AttentionMetadata | AttentionGroup) 
     return absorbed <= expanded
 
 
+@dataclass(frozen=True)
+class _OneCallWeights:
+    """A layer's weights as `cpu_matvec.MatvecLibrary.mla_decode` takes them (its MLAWeights)."""
+
+    norm: tuple[torch.Tensor, float]
+    qkv_a: torch.Tensor
+    q_dim: int
+    q_norm: tuple[torch.Tensor, float] | None
+    q_b: torch.Tensor | None
+    kv_norm: tuple[torch.Tensor, float]
+    w_uk_t: torch.Tensor
+    w_uv: torch.Tensor
+    o: torch.Tensor
+    heads: int
+    nope: int
+    rope: int
+    interleave: bool
+    scale: float
+
+
 class MultiHeadLatentAttention(nn.Module):
     """MLA with a latent KV cache; x: [T, hidden] -> [T, hidden]."""
 
@@ -113,6 +135,7 @@ class MultiHeadLatentAttention(nn.Module):
         self._absorb_cache: dict[tuple[torch.dtype, bool], tuple[torch.Tensor | None, ...]] = {}
         self._head_segments: dict[int, torch.Tensor] = {}  # rows -> the kernels' segments
         self.fixed_rows: int | None = None  # rows per batched matmul, for batch invariance
+        self._one_call: _OneCallWeights | None = None  # built on first use (see below)
 
     def set_batch_invariant(self, enabled: bool) -> None:
         self.fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
@@ -187,6 +210,65 @@ class MultiHeadLatentAttention(nn.Module):
                 )
         out = self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
         return self.parallel.all_reduce(out) if self.parallel.tp_size > 1 else out
+
+    def decode_in_one_call(
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm,
+        meta: AttentionMetadata,
+        rope_cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        absorbed: tuple[bool, ...],
+    ) -> torch.Tensor | None:
+        """x + self(norm(x)) in one call of the CPU kernels (cpu_matvec.mla_decode: the same
+        steps as `forward`'s kernel path, so the same values, ~25 torch ops fewer) for a step
+        that is one decode group of a few rows on one process; None when the step is not
+        such a step (the caller runs the sublayer as usual)."""
+        t = x.shape[0]
+        group = meta.groups[0]
+        matvec = self.kv_b_proj.skinny(t)
+        if (
+            matvec is None
+            or len(meta.groups) != 1
+            or group.lengths is None
+            or not absorbed[0]
+            or not isinstance(group.rows, slice)
+            or group.rows != slice(0, t)
+            or self.parallel.tp_size > 1
+            or x.dtype != torch.float32
+            or kv_cache.dtype != torch.bfloat16
+            or self.kv_lora_rank > cpu_matvec.MAX_LATENT
+            or norm.kernels is None
+            or self.fused_qkv_a_proj.skinny(t) is None
+            or self.o_proj.skinny(t) is None
+            or (self.q_lora_rank is not None and self.q_b_proj.skinny(t) is None)
+        ):
+            return None
+        if self._one_call is None:
+            _, _, w_uk_t, w_uv = self._absorb_weights(torch.bfloat16)
+            if w_uk_t is None or not torch.is_inference_mode_enabled():
+                return None
+            q_lora = self.q_lora_rank is not None
+            self._one_call = _OneCallWeights(
+                norm=(norm.weight, norm.eps),
+                qkv_a=self.fused_qkv_a_proj.weight,
+                q_dim=self.fused_qkv_a_proj.part_sizes[0],
+                q_norm=(self.q_a_layernorm.weight, self.q_a_layernorm.eps) if q_lora else None,
+                q_b=self.q_b_proj.weight if q_lora else None,
+                kv_norm=(self.kv_a_layernorm.weight, self.kv_a_layernorm.eps),
+                w_uk_t=w_uk_t,
+                w_uv=w_uv,
+                o=self.o_proj.weight,
+                heads=self.num_heads,
+                nope=self.nope,
+                rope=self.rope_dim,
+                interleave=self.interleave,
+                scale=self.scale,
+            )
+        cos, sin = rope_cos_sin
+        return matvec.mla_decode(
+            x, self._one_call, cos, sin, kv_cache, meta.write_slots, group.kv_slots, group.lengths
+        )
 
     def _attend(self, q_nope, q_rope, kv_cache, group: AttentionGroup, absorbed: bool):
         """One group's attention: q_* [N, H, *] (N = B * Q rows) -> [N, H, v]."""

@@ -46,6 +46,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x, meta, rope_cos_sin, kv_cache, absorbed: tuple[bool, ...]) -> torch.Tensor:
         """x: float32 [T, hidden] -> float32 [T, hidden]; kv_cache: [num_slots, latent_dim]
         of this layer."""
-        x = x + self.self_attn(self.input_layernorm(x), meta, rope_cos_sin, kv_cache, absorbed)
+        attn = self.self_attn.decode_in_one_call(
+            x, self.input_layernorm, meta, rope_cos_sin, kv_cache, absorbed
+        )
+        if attn is not None:  # a decode step on the CPU kernels: the same sum in one call
+            x = attn
+        else:
+            x = x + self.self_attn(self.input_layernorm(x), meta, rope_cos_sin, kv_cache, absorbed)
         ffn = self.mlp(self.post_attention_layernorm(x, self.ffn_input_dtype))
         return x + (self.parallel.all_reduce(ffn) if self.dense_partial else ffn)

@@ -1,0 +1,235 @@
+/* Multi-head latent attention (MLA) at decode sizes on the CPU: attention over latent rows
+ * read in place through slot indices, the rotary embedding, the latent cache write, and the
+ * whole attention sublayer of a decode step in one call (mci/layers/attention.py's absorbed
+ * path with the kernels, step by step: the same functions, so the same bits). */
+#include "cpu_kernels.h"
+
+/* ---- decode attention over latent rows read through slot indices (MLA, absorbed) ---------
+ * One query row per sequence (decode): for sequence b and head h,
+ *   s[l] = scale * <q[b, h, :], cache[slots[b, l], :]>        l < lens[b]   (float32 sums)
+ *   p    = softmax(s)                                         (float32)
+ *   out[b, h, :] = sum_l p[l] * cache[slots[b, l], :c]        rounded once to bf16
+ * q [B, H, d] bf16 contiguous; cache [rows, d] bf16 (one layer's latent rows); slots [B, lds]
+ * int64; out [B, H, c] bf16 contiguous (c <= d: the latent part of each row, the value).
+ * The cache is read in place: no gathered copy of the context. Work is split over
+ * (sequence, group of heads); each (b, h) is computed alone, in the same order whatever the
+ * batch, so a sequence's result never depends on the others. */
+
+
+#define MAX_HEADS_PER_ITEM 16
+#define MAX_LATENT 1024 /* c: DeepSeek-V3 has 512 */
+
+static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const int64_t *slots,
+                       long len, long c, float scale, uint16_t *out, int heads, float *scores) {
+    const long d_full = d & ~31L;
+    const __mmask32 d_tail = (__mmask32)((1ULL << (d - d_full)) - 1);
+    /* pass 1: scores [heads][len] */
+    for (long l = 0; l < len; l++) {
+        const uint16_t *row = cache + slots[l] * d;
+        for (int h = 0; h < heads; h++) {
+            const uint16_t *qh = q + h * d;
+            __m512 acc = _mm512_setzero_ps();
+            for (long kk = 0; kk < d_full; kk += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + kk),
+                                       (__m512bh)_mm512_loadu_si512(qh + kk));
+            if (d_tail)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(d_tail, row + d_full),
+                                       (__m512bh)_mm512_maskz_loadu_epi16(d_tail, qh + d_full));
+            scores[h * len + l] = _mm512_reduce_add_ps(acc) * scale;
+        }
+    }
+    /* softmax per head, in place; the sum kept for the end */
+    float total[MAX_HEADS_PER_ITEM];
+    for (int h = 0; h < heads; h++) {
+        float *s = scores + h * len;
+        float mx = -INFINITY;
+        for (long l = 0; l < len; l++) mx = s[l] > mx ? s[l] : mx;
+        const __m512 vmx = _mm512_set1_ps(mx);
+        __m512 vsum = _mm512_setzero_ps();
+        long l = 0;
+        for (; l + 16 <= len; l += 16) {
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + l), vmx));
+            _mm512_storeu_ps(s + l, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        if (l < len) {
+            const __mmask16 m = (__mmask16)((1u << (len - l)) - 1);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + l), vmx));
+            _mm512_mask_storeu_ps(s + l, m, e);
+            vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+        }
+        total[h] = _mm512_reduce_add_ps(vsum);
+    }
+    /* pass 2: out[h] = sum_l p[h][l] * row[:c], float32 accumulators in L1 */
+    float acc[MAX_HEADS_PER_ITEM][MAX_LATENT] __attribute__((aligned(64)));
+    for (int h = 0; h < heads; h++)
+        for (long j = 0; j < c; j++) acc[h][j] = 0.0f;
+    const long c_full = c & ~15L;
+    const __mmask16 c_tail = (__mmask16)((1u << (c - c_full)) - 1);
+    for (long l = 0; l < len; l++) {
+        const uint16_t *row = cache + slots[l] * d;
+        for (long j = 0; j < c_full; j += 16) {
+            const __m512 v = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + j))), 16));
+            for (int h = 0; h < heads; h++)
+                _mm512_store_ps(acc[h] + j, _mm512_fmadd_ps(_mm512_set1_ps(scores[h * len + l]), v,
+                                                             _mm512_load_ps(acc[h] + j)));
+        }
+        if (c_tail) {
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(c_tail, row + c_full)), 16));
+            for (int h = 0; h < heads; h++)
+                _mm512_store_ps(acc[h] + c_full,
+                                _mm512_fmadd_ps(_mm512_set1_ps(scores[h * len + l]), v,
+                                                _mm512_load_ps(acc[h] + c_full)));
+        }
+    }
+    for (int h = 0; h < heads; h++) {
+        const float inv = 1.0f / total[h];
+        for (long j = 0; j < c; j++) out[h * c + j] = round_bf16(acc[h][j] * inv);
+    }
+}
+
+/* Returns 0, or -1 when the shapes exceed this kernel's fixed buffers (caller falls back). */
+int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
+                                     const int64_t *slots, long ldslots, const int64_t *lens,
+                                     long batch, long heads, long d, long c, float scale,
+                                     uint16_t *out) {
+    if (c > MAX_LATENT || d > 4 * MAX_LATENT) return -1;
+    const int threads = omp_get_max_threads();
+    /* few sequences: split the heads too, so every thread has work */
+    long per = heads;
+    if (batch < threads) per = (heads * batch + threads - 1) / threads;
+    if (per > MAX_HEADS_PER_ITEM) per = MAX_HEADS_PER_ITEM;
+    if (per < 1) per = 1;
+    const long groups = (heads + per - 1) / per;
+    long max_len = 0;
+    for (long b = 0; b < batch; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+#pragma omp parallel
+    {
+        float *scores = (float *)aligned_alloc(64, ((per * max_len * 4 + 63) / 64) * 64 + 64);
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < batch * groups; item++) {
+            const long b = item / groups, h0 = (item % groups) * per;
+            const int nh = (int)((heads - h0) < per ? (heads - h0) : per);
+            attend_one(q + (b * heads + h0) * d, d, cache, slots + b * ldslots, lens[b], c, scale,
+                       out + (b * heads + h0) * c, nh, scores);
+        }
+        free(scores);
+    }
+    return 0;
+}
+
+/* ---- rotary embedding and the latent cache write (MLA) ------------------------------------
+ * rope(v)[i] = v1[i] * cos[i] - v2[i] * sin[i],  rope(v)[h + i] = v2[i] * cos[i] + v1[i] * sin[i]
+ * (h = r/2 pairs; interleaved checkpoints pair (2i, 2i+1), the others (i, i + h)): each product
+ * and the sum rounded in float32, as mci/layers/rotary.py computes them, then rounded once to
+ * bf16. */
+static inline void rope_row(const uint16_t *v, const float *cos, const float *sin, long r,
+                            int interleave, uint16_t *out) {
+    const long h = r / 2;
+    for (long i = 0; i < h; i++) {
+        const float a = bf16_to_float(interleave ? v[2 * i] : v[i]);
+        const float b = bf16_to_float(interleave ? v[2 * i + 1] : v[h + i]);
+        const float ac = a * cos[i], bs = b * sin[i], bc = b * cos[i], as = a * sin[i];
+        out[i] = round_bf16(ac - bs);
+        out[h + i] = round_bf16(bc + as);
+    }
+}
+
+/* x [T, H, r] bf16 (strides ldt per token, ldh per head) -> out [T, H, r] bf16 contiguous;
+ * cos/sin [T, r/2] float32. */
+void mci_rope_heads(const uint16_t *x, long ldt, long ldh, const float *cos, const float *sin,
+                    long tokens, long heads, long r, int interleave, uint16_t *out) {
+#pragma omp parallel for schedule(static) if (tokens * heads >= 256)
+    for (long t = 0; t < tokens; t++)
+        for (long hd = 0; hd < heads; hd++)
+            rope_row(x + t * ldt + hd * ldh, cos + t * (r / 2), sin + t * (r / 2), r, interleave,
+                     out + (t * heads + hd) * r);
+}
+
+/* The new latent rows of a step, written straight into one layer's cache: for token t,
+ * cache[slots[t]] = [ rmsnorm(latent[t, :c]) * w | rope(latent[t, c:c+r]) ], each part rounded
+ * once to bf16 (the norm as mci_rms_norm computes it: within float32 rounding of the eager
+ * norm; the rope part bit for bit). latent [T, c + r] bf16 with row
+ * stride ld; cache [*, c + r] bf16 contiguous. */
+void mci_write_latent_rows(const uint16_t *latent, long ld, const uint16_t *w, float eps,
+                           const float *cos, const float *sin, int interleave,
+                           uint16_t *cache, const int64_t *slots, long tokens, long c, long r) {
+    const long d = c + r;
+#pragma omp parallel for schedule(static) if (tokens >= 64)
+    for (long t = 0; t < tokens; t++) {
+        uint16_t *row = cache + slots[t] * d;
+        mci_rms_norm(latent + t * ld, ld, 1, w, row, 1, 1, c, eps);
+        rope_row(latent + t * ld + c, cos + t * (r / 2), sin + t * (r / 2), r, interleave, row + c);
+    }
+}
+
+/* y[t, h, :b] = x[t, h, :a] @ w[h]^T for every head h (w [heads, b, a]); x and y address
+ * (t, h) at t * ld_t + h * ld_h. The sums are mci_experts_into's, head by head, so equal to
+ * the head-major expert_linear that the torch path runs. */
+static void per_head(const uint16_t *x, long ldx_t, long ldx_h, const uint16_t *w, long heads,
+                     long a, long b, uint16_t *y, long ldy_t, long ldy_h, long m) {
+#pragma omp parallel
+    {
+        long n0, n1;
+        mci_share(b, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
+        for (long h = 0; h < heads; h++) {
+            const Sink sink = {y + h * ldy_h, ldy_t, 0, 0, 0};
+            mci_rows_range(x + h * ldx_h, ldx_t, w + h * b * a, a, sink, m, n0, n1);
+        }
+    }
+}
+
+/* The attention sublayer of a decode step, x float32 [t, hidden] (the residual stream) ->
+ * out float32 [t, hidden] = x + o_proj(attention(input_layernorm(x))), as
+ * DecoderLayer.forward and MultiHeadLatentAttention's absorbed decode path compute it with the
+ * kernels: input norm (norm_w), the fused [q | latent] projection (w_qkv_a, q_dim + c + r
+ * rows; q_dim = q_lora_rank, or heads * (nope + r) without q_lora, then q_norm_w and w_q_b are
+ * NULL), q's norm and up-projection, rope on q and on the new latent rows written to
+ * cache[write_slots] (normed with kv_norm_w), q_nope absorbed into the latent space
+ * (w_uk_t [heads, c, nope]), attention of each row t over cache[kv_slots[t, :lens[t]]],
+ * the values out of the latent space (w_uv [heads, v, c]), o_proj (w_o [hidden, heads * v]).
+ * Returns -1 (nothing done) when c exceeds the attention kernel's MAX_LATENT. */
+int mci_bf16_mla_decode(const float *x, long t, long hidden, const uint16_t *norm_w,
+                        float norm_eps, const uint16_t *w_qkv_a, long q_dim,
+                        const uint16_t *q_norm_w, float q_eps, const uint16_t *w_q_b,
+                        long heads, long nope, long r, long c, long v,
+                        const uint16_t *kv_norm_w, float kv_eps, const float *cos,
+                        const float *sin, int interleave, uint16_t *cache,
+                        const int64_t *write_slots, const uint16_t *w_uk_t,
+                        const uint16_t *w_uv, const int64_t *kv_slots, long ld_slots,
+                        const int64_t *lens, float scale, const uint16_t *w_o, float *out) {
+    if (c > MAX_LATENT) return -1;
+    const long qk = nope + r, d = c + r, fused = q_dim + c + r;
+    const long ldq = q_norm_w ? heads * qk : fused;
+    const long size = t * (hidden + fused + (q_norm_w ? q_dim + heads * qk : 0) + heads * d +
+                           heads * c + heads * v + hidden);
+    uint16_t *xn = malloc(sizeof(uint16_t) * size);
+    uint16_t *qa = xn + t * hidden, *next = qa + t * fused, *q = qa;
+    mci_rms_norm(x, hidden, 0, norm_w, xn, 1, t, hidden, norm_eps);
+    mci_bf16_linear(xn, hidden, w_qkv_a, qa, fused, t, fused, hidden);
+    if (q_norm_w) {
+        uint16_t *qn = next;
+        q = qn + t * q_dim;
+        next = q + t * heads * qk;
+        mci_rms_norm(qa, fused, 1, q_norm_w, qn, 1, t, q_dim, q_eps);
+        mci_bf16_linear(qn, q_dim, w_q_b, q, heads * qk, t, heads * qk, q_dim);
+    }
+    mci_write_latent_rows(qa + q_dim, fused, kv_norm_w, kv_eps, cos, sin, interleave, cache,
+                          write_slots, t, c, r);
+    uint16_t *q_full = next, *att = q_full + t * heads * d, *o_in = att + t * heads * c;
+    uint16_t *o = o_in + t * heads * v;
+    per_head(q, ldq, qk, w_uk_t, heads, nope, c, q_full, heads * d, d, t);
+    for (long i = 0; i < t; i++)
+        for (long h = 0; h < heads; h++)
+            rope_row(q + i * ldq + h * qk + nope, cos + i * (r / 2), sin + i * (r / 2), r,
+                     interleave, q_full + (i * heads + h) * d + c);
+    mci_bf16_latent_decode_attention(q_full, cache, kv_slots, ld_slots, lens, t, heads, d, c,
+                                     scale, att);
+    per_head(att, heads * c, c, w_uv, heads, c, v, o_in, heads * v, v, t);
+    mci_bf16_linear(o_in, heads * v, w_o, o, hidden, t, hidden, heads * v);
+    for (long i = 0; i < t * hidden; i++) out[i] = x[i] + bf16_to_float(o[i]);
+    free(xn);
+    return 0;
+}
