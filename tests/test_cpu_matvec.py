@@ -219,11 +219,13 @@ def test_one_call_moe_and_gated_mlp_take_the_eager_steps(checkpoint, size):
             fused = moe(x)
             weights, ids = moe.gate(x)
             experts = moe.experts.gate_up_proj.weight, moe.experts.down_proj.weight
-            _, k_weights, k_ids = matvec.moe(x, moe.gate.logits(x), moe.gate, *experts, None, 16)
+            _, k_weights, k_ids = matvec.moe(
+                x, moe.gate.logits(x), moe.gate, experts, None, None, 16
+            )
             assert torch.equal(k_ids.sort(-1).values, ids.sort(-1).values)
             order = (k_ids[:, :, None] == ids[:, None, :]).float().argmax(-1)
             assert torch.allclose(k_weights, weights.gather(1, order), rtol=1e-6, atol=0)
-            out, _, _ = matvec.moe(x, moe.gate.logits(x), moe.gate, *experts, None, 0)
+            out, _, _ = matvec.moe(x, moe.gate.logits(x), moe.gate, experts, None, None, 0)
             assert out is None  # every expert is over a limit of 0 rows
             moe._one_call = lambda x: None  # the general path
             reference = moe(x)
@@ -279,6 +281,33 @@ def test_attention_in_one_call_is_the_kernel_path_bit_for_bit(checkpoint, config
     with torch.inference_mode():
         model(torch.arange(30), prefill, model.allocate_kv_cache(64))
     assert calls and not any(calls)
+
+
+@pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")
+def test_prefill_sized_moe_on_amx_stays_with_the_grouped_path(checkpoint):
+    """A chunk of tokens busy enough for the AMX experts: every element within a bf16 rounding
+    of the grouped batched matmuls' result (most of them equal), at any row count (tiles of
+    32 rows, padded)."""
+    model = load_model(checkpoint(size="small", dtype="bfloat16"), "bfloat16")
+    model.pack_for_cpu()
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    assert moe.experts.amx is not None
+    g = torch.Generator().manual_seed(6)
+    with torch.inference_mode():
+        for t in (40, 129, 300):
+            x = torch.randn(t, model.cfg.hidden_size, generator=g) * 2
+            assert moe._one_call(x) is not None
+            amx = moe(x)
+            moe._one_call = lambda x: None
+            grouped = moe(x)
+            del moe._one_call
+            scale = grouped.abs().max()
+            assert (amx - grouped).abs().max() <= 2**-8 * scale
+            assert (amx == grouped).float().mean() > 0.8
+            gate_up = moe.experts.gate_up_proj.weight
+            packed = matvec.amx_pack(gate_up)  # tile r of block (nb, kb): pairs of inputs
+            tile = packed[0].flatten()[: 32 * 16].view(16, 16, 2)  # nb 0, kb 0
+            assert torch.equal(tile[3, 5], gate_up[0, 5, 6:8])
 
 
 def test_turned_off_by_the_environment(monkeypatch):

@@ -36,6 +36,35 @@ typedef struct {
     const float *wt;
 } Sink;
 
+static inline Sink sink_rows(Sink s, long r) {
+    if (s.acc) {
+        s.tok += r;
+        s.wt += r;
+    } else {
+        s.y += r * s.ldy;
+    }
+    return s;
+}
+
+static inline void store(const Sink *s, int j, long n, float sum) {
+    const uint16_t b = round_bf16(sum);
+    if (s->acc) {
+        const float v = bf16_to_float(b) * s->wt[j];
+        s->acc[s->tok[j] * s->ldy + n] += v;
+    } else {
+        s->y[j * s->ldy + n] = b;
+    }
+}
+
+/* 16 float32 -> bf16, rounded to nearest even (round_bf16's result for every finite value
+ * above the float32 denormals, which the instruction flushes to zero) */
+static inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+/* 16 bf16 -> float32 (exact) */
+static inline __m512 widen16(__m256i b) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
 static inline __m512 exp512(__m512 x) {
     /* e^x = 2^n * e^r, r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial for e^r
      * (relative error ~2e-7, float32 rounding level); x below -87.3 gives 0. */
@@ -75,5 +104,11 @@ void mci_rms_norm(const void *x, long ldx, int x_bf16, const uint16_t *w, void *
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ w [n, k]^T; bf16. cpu_matvec.c. */
 void mci_bf16_linear(const uint16_t *x, long ldx, const uint16_t *w, uint16_t *y, long ldy,
                      long m, long n, long k);
+
+/* Routed experts on AMX tiles (cpu_amx.c): as mci_experts_into, with the weights packed by
+ * mci_amx_pack; n and k multiples of 32. */
+void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, Sink y,
+                          const int64_t *ids, const int64_t *starts, const int64_t *counts,
+                          long segments, long n, long k);
 
 #endif

@@ -20,26 +20,6 @@
 #define PREFETCH 4 /* blocks of rows ahead */
 #endif
 
-static inline Sink sink_rows(Sink s, long r) {
-    if (s.acc) {
-        s.tok += r;
-        s.wt += r;
-    } else {
-        s.y += r * s.ldy;
-    }
-    return s;
-}
-
-static inline void store(const Sink *s, int j, long n, float sum) {
-    const uint16_t b = round_bf16(sum);
-    if (s->acc) {
-        const float v = bf16_to_float(b) * s->wt[j];
-        s->acc[s->tok[j] * s->ldy + n] += v;
-    } else {
-        s->y[j * s->ldy + n] = b;
-    }
-}
-
 /* Rows [n0, n1) of one weight for T rows of x (T <= TOKENS, a compile-time constant in each
  * caller so the accumulators stay in registers). k_full: K rounded down to 32; the tail is
  * read with a mask. A last partial block of rows (n1 - n < FEATS) reads whole blocks of

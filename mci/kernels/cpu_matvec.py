@@ -35,13 +35,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_matvec.c", "cpu_mla.c", "cpu_moe.c")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("cpu_matvec.c", "cpu_mla.c", "cpu_moe.c", "cpu_amx.c")
+]
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 # -ffp-contract=off: where the C code writes a product and then a sum (rope, the experts'
 # weighted sum), they stay two roundings, as in the torch code they stand in for (explicit
 # fused multiply-add intrinsics elsewhere are unaffected).
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
-         "-mavx512vl", "-mavx512bf16", "-mfma"]  # fmt: skip
+         "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16"]  # fmt: skip
 # Most rows a call takes the kernels with. A single matmul on a weight in cache favours oneDNN
 # from 4 rows, but in a real decode step (weights streamed from L3/DRAM) the kernels win up to
 # ~12 rows: measured on the `small` model's whole step, alternating in one process, the
@@ -59,11 +62,15 @@ EXPERT_MAX_ROWS = 16
 MAX_LATENT = 1024
 
 
-def _cpu_supports() -> bool:
+def _cpu_flags() -> str:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return ""
+
+
+def _cpu_supports() -> bool:
+    flags = _cpu_flags()
     return " avx512_bf16" in flags and " avx512bw" in flags
 
 
@@ -95,7 +102,10 @@ def load() -> MatvecLibrary | None:
     try:
         if not target.exists():
             _build(target)
-        return MatvecLibrary(ctypes.CDLL(str(target)))
+        lib = ctypes.CDLL(str(target))
+        # AMX only where the CPU has it and the kernel grants this process its tile state
+        amx = " amx_bf16" in _cpu_flags() and lib.mci_amx_init() == 0
+        return MatvecLibrary(lib, amx)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("CPU matvec kernels unavailable (%s); using oneDNN", exc)
         return None
@@ -136,8 +146,12 @@ class MatvecLibrary:
     """Typed entry points of the compiled library. Inputs: bf16 CPU tensors, weights
     contiguous, activations with a unit last-dimension stride."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, amx: bool):
+        self.amx = amx  # the AMX expert kernels run here (cpu_amx.c)
         ptr, long = ctypes.c_void_p, ctypes.c_long
+        self._amx_pack = lib.mci_amx_pack
+        self._amx_pack.argtypes = [ptr, long, long, long, ptr]
+        self._amx_pack.restype = None
         self._linear = lib.mci_bf16_linear
         self._linear.argtypes = [ptr, long, ptr, ptr, long, long, long, long]
         self._linear.restype = None
@@ -167,8 +181,8 @@ class MatvecLibrary:
         self._gated_mlp.restype = None
         self._moe = lib.mci_bf16_moe
         self._moe.argtypes = [ptr, ptr, ptr, long, long, long, long, long, ctypes.c_int,
-                              ctypes.c_float, ptr, ptr, ptr, ptr, long, long, ptr, ptr, long,
-                              long, ptr]  # fmt: skip
+                              ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr, long, long, ptr,
+                              ptr, long, long, ptr]  # fmt: skip
         self._moe.restype = ctypes.c_int
         self._mla = lib.mci_bf16_mla_decode
         self._mla.argtypes = [ptr, long, long, ptr, ctypes.c_float, ptr, long, ptr,
@@ -385,21 +399,36 @@ class MatvecLibrary:
         )  # fmt: skip
         return y
 
+    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """Stacked bf16 weights [E, n, k] in the AMX tile layout (cpu_amx.c), or None where
+        the AMX kernels do not run or n, k are not multiples of 32."""
+        e, n, k = weight.shape
+        if not self.amx or n % 32 or k % 32 or weight.dtype != torch.bfloat16:
+            return None
+        weight = weight.contiguous()
+        out = torch.empty_like(weight)
+        self._amx_pack(weight.data_ptr(), e, n, k, out.data_ptr())
+        return out
+
     def moe(
         self,
         x: torch.Tensor,
         logits: torch.Tensor,
         router: MoERouting,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
+        experts: tuple[torch.Tensor, torch.Tensor],
+        amx: tuple[torch.Tensor, torch.Tensor] | None,
         shared: tuple[torch.Tensor, torch.Tensor] | None,
         max_rows: int,
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """mci/layers/moe.py's MoE after the router's matmul, for a few tokens: x float32
-        [T, hidden] contiguous, logits float32 [T, E]; the stacked experts' gate_up
-        [E, 2I, hidden] and down [E, hidden, I]; the shared experts' (gate_up, down) or None.
-        -> (out float32 [T, hidden], or None when an expert has more than `max_rows` tokens;
-        routing weights float32 [T, K]; expert ids int64 [T, K])."""
+        """mci/layers/moe.py's MoE after the router's matmul: x float32 [T, hidden], logits
+        float32 [T, E]; the stacked experts' (gate_up [E, 2I, hidden], down [E, hidden, I]),
+        the same `amx_pack`ed or None; the shared experts' (gate_up, down) or None. Experts
+        with up to `max_rows` tokens run on the skinny kernels, busier ones on AMX.
+        -> (out float32 [T, hidden], or None when an expert has more than `max_rows` tokens
+        and there are no AMX weights; routing weights float32 [T, K]; expert ids int64
+        [T, K])."""
+        gate_up, down = experts
+        amx_gate_up, amx_down = amx if amx is not None else (None, None)
         t, hidden = x.shape
         e, k = logits.shape[1], router.top_k
         x, logits = x.contiguous(), logits.contiguous()
@@ -410,7 +439,9 @@ class MatvecLibrary:
         status = self._moe(
             x.data_ptr(), logits.data_ptr(), router.bias.data_ptr(), t, e, router.n_group,
             router.topk_group, k, int(router.norm_topk_prob), router.scaling,
-            weights.data_ptr(), ids.data_ptr(), gate_up.data_ptr(), down.data_ptr(), hidden,
+            weights.data_ptr(), ids.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
+            None if amx_gate_up is None else amx_gate_up.data_ptr(),
+            None if amx_down is None else amx_down.data_ptr(), hidden,
             down.shape[2], None if s_gate_up is None else s_gate_up.data_ptr(),
             None if s_down is None else s_down.data_ptr(),
             0 if s_down is None else s_down.shape[1], max_rows, out.data_ptr(),

@@ -32,17 +32,12 @@ static void silu_mul(const uint16_t *gu, long rows, long inter, uint16_t *act) {
         for (long i = 0; i < inter; i += 16) {
             const __mmask16 m = (inter - i) >= 16 ? (__mmask16)0xffff
                                                   : (__mmask16)((1u << (inter - i)) - 1);
-            const __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g + i)), 16));
-            const __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, u + i)), 16));
+            const __m512 gv = widen16(_mm256_maskz_loadu_epi16(m, g + i));
+            const __m512 uv = widen16(_mm256_maskz_loadu_epi16(m, u + i));
             const __m512 s = _mm512_div_ps(
                 gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-            float sv[16], uf[16];
-            _mm512_storeu_ps(sv, s);
-            _mm512_storeu_ps(uf, uv);
-            for (int j = 0; j < 16 && i + j < inter; j++)
-                out[i + j] = round_bf16(bf16_to_float(round_bf16(sv[j])) * uf[j]);
+            const __m512 product = _mm512_mul_ps(widen16(round16(s)), uv);
+            _mm256_mask_storeu_epi16(out + i, m, round16(product));
         }
     }
 }
@@ -111,31 +106,38 @@ static void route(const float *logits, const float *bias, long e, long n_group, 
     }
 }
 
-/* The MoE block for a few tokens: x float32 [t, hidden] (rounded to bf16 for the experts, as
- * MoE.forward does), logits float32 [t, e] (the router's matmul), bias float32 [e];
- * w_gate_up [e, 2 * inter, hidden], w_down [e, hidden, inter] (stacked, bf16); the shared
- * experts' w_s_gate_up [2 * s_inter, hidden] and w_s_down [hidden, s_inter], or NULL.
- * Always writes each token's routing, weights [t, top_k] and ids [t, top_k]. Returns 1, and
- * stops there, when an expert has more than max_rows tokens (the caller's grouped matmuls
+/* The MoE block: x float32 [t, hidden] (rounded to bf16 for the experts, as MoE.forward
+ * does), logits float32 [t, e] (the router's matmul), bias float32 [e]; w_gate_up
+ * [e, 2 * inter, hidden], w_down [e, hidden, inter] (stacked, bf16), and the same packed for
+ * AMX (amx_gate_up, amx_down: cpu_amx.c) or NULL; the shared experts' w_s_gate_up
+ * [2 * s_inter, hidden] and w_s_down [hidden, s_inter], or NULL. Experts with at most
+ * max_rows tokens each run on the skinny kernels, else on AMX. Always writes each token's
+ * routing, weights [t, top_k] and ids [t, top_k]. Returns 1, and stops there, when an expert
+ * has more than max_rows tokens and there are no AMX weights (the caller's grouped matmuls
  * suit that step better); else writes out float32 [t, hidden] and returns 0. */
 int mci_bf16_moe(const float *x, const float *logits, const float *bias, long t, long e,
                  long n_group, long topk_group, long top_k, int norm, float scaling,
                  float *weights, int64_t *ids, const uint16_t *w_gate_up, const uint16_t *w_down,
-                 long hidden, long inter, const uint16_t *w_s_gate_up, const uint16_t *w_s_down,
-                 long s_inter, long max_rows, float *out) {
-    float scores[e], choice[e];
-    for (long r = 0; r < t; r++)
+                 const uint16_t *amx_gate_up, const uint16_t *amx_down, long hidden, long inter,
+                 const uint16_t *w_s_gate_up, const uint16_t *w_s_down, long s_inter,
+                 long max_rows, float *out) {
+#pragma omp parallel for schedule(static) if (t >= 64)
+    for (long r = 0; r < t; r++) {
+        float scores[e], choice[e];
         route(logits + r * e, bias, e, n_group, topk_group, top_k, norm, scaling, scores, choice,
               weights + r * top_k, ids + r * top_k);
+    }
     /* assignments a = r * top_k + k sorted by expert, then by a (MoE's stable argsort) */
     const long a_count = t * top_k;
     int64_t counts[e], first[e];
     memset(counts, 0, sizeof(counts));
     for (long a = 0; a < a_count; a++) counts[ids[a]]++;
     int64_t seg_ids[e], seg_starts[e], seg_counts[e];
-    long segments = 0, start = 0;
+    long segments = 0, start = 0, busiest = 0;
+    for (long i = 0; i < e; i++) busiest = counts[i] > busiest ? counts[i] : busiest;
+    const int amx = busiest > max_rows;
+    if (amx && !amx_gate_up) return 1;
     for (long i = 0; i < e; i++) {
-        if (counts[i] > max_rows) return 1;
         first[i] = start;
         if (counts[i]) {
             seg_ids[segments] = i;
@@ -157,13 +159,21 @@ int mci_bf16_moe(const float *x, const float *logits, const float *bias, long t,
         memcpy(xs + row * hidden, xb + (a / top_k) * hidden, sizeof(uint16_t) * hidden);
     }
     const Sink rows = {gu, 2 * inter, 0, 0, 0};
-    mci_experts_into(xs, hidden, w_gate_up, rows, seg_ids, seg_starts, seg_counts, segments,
-                     2 * inter, hidden);
-    silu_mul(gu, a_count, inter, act);
-    memset(out, 0, sizeof(float) * t * hidden);
     const Sink combine = {0, hidden, out, tokens, sorted_weights};
-    mci_experts_into(act, inter, w_down, combine, seg_ids, seg_starts, seg_counts, segments,
-                     hidden, inter);
+    memset(out, 0, sizeof(float) * t * hidden);
+    if (amx) {
+        mci_amx_experts_into(xs, hidden, amx_gate_up, rows, seg_ids, seg_starts, seg_counts,
+                             segments, 2 * inter, hidden);
+        silu_mul(gu, a_count, inter, act);
+        mci_amx_experts_into(act, inter, amx_down, combine, seg_ids, seg_starts, seg_counts,
+                             segments, hidden, inter);
+    } else {
+        mci_experts_into(xs, hidden, w_gate_up, rows, seg_ids, seg_starts, seg_counts,
+                         segments, 2 * inter, hidden);
+        silu_mul(gu, a_count, inter, act);
+        mci_experts_into(act, inter, w_down, combine, seg_ids, seg_starts, seg_counts,
+                         segments, hidden, inter);
+    }
     if (w_s_gate_up) { /* out + shared: float32 + bf16, as MoE.forward adds them */
         uint16_t *shared = malloc(sizeof(uint16_t) * t * hidden);
         mci_bf16_gated_mlp(xb, hidden, w_s_gate_up, w_s_down, t, hidden, s_inter, shared);

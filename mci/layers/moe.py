@@ -135,6 +135,18 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = Linear(h, (i, i), dtype, fp8_block, num_experts=e)  # [E, 2I, H]
         self.down_proj = Linear(i, (h,), dtype, fp8_block, num_experts=e)  # [E, H, I]
         self.grouped = True  # off for batch invariance: one kernel per expert, the loop's
+        # (gate_up, down) packed for the AMX kernels (cpu_amx.c), where they run
+        self.amx: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def pack_for_cpu(self, kernels) -> None:
+        """With the CPU kernels (a `cpu_matvec.MatvecLibrary`, or None), keep AMX-packed
+        copies of the experts' weights where the AMX kernels run (one more copy of them)."""
+        self.amx = None
+        if kernels is None or not kernels.amx:
+            return
+        packed = [kernels.amx_pack(p.weight) for p in (self.gate_up_proj, self.down_proj)]
+        if all(p is not None for p in packed):
+            self.amx = (packed[0], packed[1])
 
     def set_batch_invariant(self, enabled: bool) -> None:
         self.grouped = not enabled
@@ -276,7 +288,7 @@ class MoE(nn.Module):
         if (
             matvec is None
             or self.parallel.world_size > 1
-            or x.shape[0] > cpu_matvec.MAX_ROWS
+            or (x.shape[0] > cpu_matvec.MAX_ROWS and self.experts.amx is None)
             or x.dtype != torch.float32
             or self.gate._packed is not None  # batch invariance: the gate's own kernel
         ):
@@ -299,12 +311,12 @@ class MoE(nn.Module):
         if matvec is not None:  # a few tokens on one process: the whole block in one call
             shared = self.shared_experts
             in_call = shared is not None and shared.gate_up_proj.skinny(x.shape[0]) is not None
-            experts = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
             out, weights, ids = matvec.moe(
                 x,
                 self.gate.logits(x),
                 self.gate,
-                *experts,
+                (self.experts.gate_up_proj.weight, self.experts.down_proj.weight),
+                self.experts.amx,
                 (shared.gate_up_proj.weight, shared.down_proj.weight) if in_call else None,
                 cpu_matvec.EXPERT_MAX_ROWS,
             )
