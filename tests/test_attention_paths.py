@@ -129,3 +129,33 @@ def test_few_row_sequences_attend_per_row_in_the_decode_group(model):
     assert decode.lengths.tolist() == [9, 10, 11, 12, 12, 13, 14]
     assert decode.rows.tolist() == [0, 21, 22, 23, 24, 25, 26]
     _check_each_alone(model, seqs, cached, step, ("auto", "absorbed", "expanded"))
+
+
+@pytest.mark.parametrize("own_cached", [0, 3])
+def test_cascade_over_a_shared_cached_prefix_equals_each_alone(model, own_cached):
+    """Sequences whose first P context slots are the same cached prefix (a prefix-cache hit of
+    several requests) attend to it once (cascade attention) and to their own positions
+    separately, merged by log-sum-exp: each gets its solo logits. With `own_cached` tokens of
+    their own already cached, the own part is masked rather than plainly causal."""
+    prefix, new = _ids(20, 50), 5
+    seqs = [prefix + _ids(own_cached + new, 51 + i) for i in range(3)]
+    cache = model.allocate_kv_cache(128)
+    model(
+        torch.tensor(prefix), AttentionMetadata.build([SequenceChunk(torch.arange(20), 20)]), cache
+    )
+    chunks = []
+    for i, s in enumerate(seqs):
+        own = torch.arange(40 + 20 * i, 40 + 20 * i + own_cached + new)
+        slots = torch.cat((torch.arange(20), own))
+        if own_cached:
+            ids = torch.tensor(s[20 : 20 + own_cached])
+            meta = AttentionMetadata.build([SequenceChunk(slots[: 20 + own_cached], own_cached)])
+            model(ids, meta, cache)
+        chunks.append(SequenceChunk(slots, new))
+    meta = AttentionMetadata.build(chunks, "cpu", AttentionLayout(cascade_min_prefix=8))
+    assert [(g.batch_size, g.shared_prefix) for g in meta.groups] == [(3, 20)]
+    new_ids = torch.tensor([t for s in seqs for t in s[-new:]])
+    batched = model.logits(model(new_ids, meta, cache))
+    for i, s in enumerate(seqs):
+        alone = prefill_logits(model, s, "expanded")[-new:]
+        assert (batched[i * new : (i + 1) * new] - alone).abs().max().item() <= TOL

@@ -45,11 +45,15 @@ class AttentionLayout:
     masked out), so that a query's attention is computed over the same key blocks whatever
     the other sequences of its group, the chunk it came in, or the step (see
     `mci.layers.attention.ATTENTION_KEY_MULTIPLE`). Sequences with at most `row_query_max`
-    new tokens attend in the decode group, one item per query row.
+    new tokens attend in the decode group, one item per query row. A prefill group whose
+    sequences share their first `cascade_min_prefix` or more cache slots (a prefix-cache hit
+    of several requests) records that shared prefix, which attention then reads once for
+    them all (0: never).
     """
 
     key_multiple: int = 1
     row_query_max: int = 1
+    cascade_min_prefix: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,9 @@ class AttentionGroup:
     # through `kv_slots` stop there instead of masking); None for prefill groups
     lengths: torch.Tensor | None
     causal: bool  # a single fresh sequence (Q == L): `mask` is plain causal (is_causal works)
+    # leading context positions whose slots every sequence of the group shares (at least
+    # `AttentionLayout.cascade_min_prefix` of them, else 0): all the group's queries see them
+    shared_prefix: int
     sum_query_len: int
     sum_query_times_context: int  # sum over b of q_b * L_b: attention score count per head
     sum_context: int  # sum over b of L_b: latents a non-absorbed path must expand
@@ -130,9 +137,7 @@ class AttentionMetadata:
             if q > row_max:
                 shapes.setdefault((q, ctx_lens[b]), []).append(b)
         groups += [
-            _prefill_group(
-                [chunks[b] for b in seqs], [starts[b] for b in seqs], device, layout.key_multiple
-            )
+            _prefill_group([chunks[b] for b in seqs], [starts[b] for b in seqs], device, layout)
             for seqs in shapes.values()
         ]
         if len(chunks) == 1:
@@ -205,16 +210,28 @@ def _decode_group(chunks, decodes, starts, ctx_lens, device, key_multiple) -> At
         mask=mask,
         lengths=torch.tensor(lens, dtype=torch.long, device=device),
         causal=False,
+        shared_prefix=0,
         sum_query_len=len(rows),
         sum_query_times_context=sum(lens),
         sum_context=sum(lens),
     )
 
 
-def _prefill_group(chunks, starts: list[int], device, key_multiple: int) -> AttentionGroup:
+def _shared_prefix(kv_slots: torch.Tensor, length: int, minimum: int) -> int:
+    """How many leading positions have the same slot in every row of kv_slots [B, *] (rows
+    of `length` real positions), when at least `minimum`; else 0."""
+    if minimum <= 0 or kv_slots.shape[0] < 2 or length < minimum:
+        return 0
+    same = (kv_slots[:, :length] == kv_slots[:1, :length]).all(0)
+    shared = length if bool(same.all()) else int(same.logical_not().nonzero()[0])
+    return shared if shared >= minimum else 0
+
+
+def _prefill_group(chunks, starts: list[int], device, layout: AttentionLayout) -> AttentionGroup:
     """Chunks of one shape (q > 1 new tokens, context L), together: [B, q, L]."""
     q, length, b = chunks[0].num_new, int(chunks[0].kv_slots.shape[0]), len(chunks)
-    padded = _round_up(length, key_multiple)
+    padded = _round_up(length, layout.key_multiple)
+    kv_slots = _stack_slots(chunks, padded)
     # query i sits at position L - q + i and sees keys 0 .. L - q + i (the same for every
     # sequence of the group: [1, q, L] broadcasts over the batch); pad keys are never seen
     mask = (torch.arange(padded)[None, :] <= torch.arange(length - q, length)[:, None])[None]
@@ -222,10 +239,11 @@ def _prefill_group(chunks, starts: list[int], device, key_multiple: int) -> Atte
         rows=_rows(starts, q, device),
         batch_size=b,
         query_len=q,
-        kv_slots=_stack_slots(chunks, padded).to(device=device, dtype=torch.long),
+        kv_slots=kv_slots.to(device=device, dtype=torch.long),
         mask=mask.to(device),
         lengths=None,
         causal=q == length == padded,
+        shared_prefix=_shared_prefix(kv_slots, length - q, layout.cascade_min_prefix),
         sum_query_len=b * q,
         sum_query_times_context=b * q * length,
         sum_context=b * length,

@@ -17,6 +17,7 @@ from mci.config import ModelConfig
 from mci.kernels import cpu_matvec
 from mci.layers.attention import (
     ATTENTION_KEY_MULTIPLE,
+    CASCADE_MIN_PREFIX,
     IN_PLACE_QUERY_ROWS,
     MultiHeadLatentAttention,
     choose_absorbed,
@@ -157,11 +158,16 @@ class DeepseekV3ForCausalLM(nn.Module):
     def attention_layout(self) -> AttentionLayout:
         """How a step's attention is grouped (see `AttentionMetadata`): keys padded for batch
         invariance; with the CPU kernels, sequences of a few new tokens (a speculative
-        verification's k + 1) attend in the decode group, read in place."""
+        verification's k + 1) attend in the decode group, read in place; on the CPU, a shared
+        cached prefix attends once (cascade attention)."""
         if self.batch_invariant:
             return AttentionLayout(key_multiple=ATTENTION_KEY_MULTIPLE)
         in_place = self.cpu_kernels is not None and self.dtype == torch.bfloat16
-        return AttentionLayout(row_query_max=IN_PLACE_QUERY_ROWS if in_place else 1)
+        cpu = self.lm_head.weight.device.type == "cpu"  # the cascade's flash kernel is the CPU's
+        return AttentionLayout(
+            row_query_max=IN_PLACE_QUERY_ROWS if in_place else 1,
+            cascade_min_prefix=CASCADE_MIN_PREFIX if cpu else 0,
+        )
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
