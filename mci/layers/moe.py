@@ -135,14 +135,16 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = Linear(h, (i, i), dtype, fp8_block, num_experts=e)  # [E, 2I, H]
         self.down_proj = Linear(i, (h,), dtype, fp8_block, num_experts=e)  # [E, H, I]
         self.grouped = True  # off for batch invariance: one kernel per expert, the loop's
-        # (gate_up, down) packed for the AMX kernels (cpu_amx.c), where they run
+        # (gate_up, down) packed for the AMX kernels (cpu_amx.c), where they run: MoE's
+        # one-call path, on one process only
         self.amx: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.single_process = parallel.world_size == 1
 
     def pack_for_cpu(self, kernels) -> None:
         """With the CPU kernels (a `cpu_matvec.MatvecLibrary`, or None), keep AMX-packed
         copies of the experts' weights where the AMX kernels run (one more copy of them)."""
         self.amx = None
-        if kernels is None or not kernels.amx:
+        if kernels is None or not kernels.amx or not self.single_process:
             return
         packed = [kernels.amx_pack(p.weight) for p in (self.gate_up_proj, self.down_proj)]
         if all(p is not None for p in packed):
