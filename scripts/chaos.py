@@ -594,16 +594,18 @@ async def _in_flight_during_sigterm(server: Server, rng: random.Random) -> list[
         bodies = [
             {
                 "prompt": _prompt(rng, 10),
-                "max_tokens": 256,  # still running when the late request comes
+                # still running when the late request comes, however fast decoding is: most
+                # of the context (~1 ms a token here at best)
+                "max_tokens": CONTEXT - 100,
                 "ignore_eos": True,
                 "stream": bool(i % 2),
             }
             for i in range(6)
         ]
         tasks = [asyncio.ensure_future(completion(c, server.url, b)) for b in bodies]
-        await asyncio.sleep(1.0)
-        server.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.5)
+        server.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.2)
         late = await completion(c, server.url, {"prompt": "x", "max_tokens": 2})
         return [*(await asyncio.gather(*tasks)), {**late, "late": True}]
 
