@@ -96,7 +96,7 @@ MTP_ALIASES = ("nextn", "eagle")  # SGLang's names for DeepSeek's MTP draft
 # where drafting still paid off. An MTP draft costs a module forward per depth; an n-gram
 # draft costs only its verification (and a request whose text never repeats drafts nothing).
 SPECULATION_DEFAULT_STEPS = {"mtp": 2, "ngram": 5}
-SPECULATION_MAX_BATCH = {"mtp": 4, "ngram": 8}
+SPECULATION_MAX_BATCH = {"mtp": 4, "ngram": 4}
 
 
 @dataclass(frozen=True)

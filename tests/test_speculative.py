@@ -386,7 +386,7 @@ def test_config_errors(checkpoint):
         SpeculativeConfig(speculative_algorithm="mtp", speculative_num_draft_tokens=5)
     mtp, ngram = (SpeculativeConfig(speculative_algorithm=a) for a in ("mtp", "ngram"))
     assert (mtp.num_steps, mtp.max_drafting_batch) == (2, 4)  # measured defaults
-    assert (ngram.num_steps, ngram.max_drafting_batch) == (5, 8)
+    assert (ngram.num_steps, ngram.max_drafting_batch) == (5, 4)
     assert SpeculativeConfig().num_steps == 0
     SpeculativeConfig(
         speculative_algorithm="EAGLE", speculative_num_steps=2, speculative_num_draft_tokens=3

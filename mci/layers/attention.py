@@ -379,16 +379,20 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _expand(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent rows [..., kv_lora + rope] -> (keys [..., H, nope + rope], values
-        [..., H, v]) of every head."""
+        [..., H, nope + rope]) of every head; the values zero-padded from v to the keys' width
+        (SDPA's fused kernels need equal head dims: callers slice the output back to v)."""
         c_kv, k_rope = context.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(c_kv.shape[:-1] + (self.num_heads, self.nope + self.v_dim))
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rope = k_rope.unsqueeze(-2).expand(k_rope.shape[:-1] + (self.num_heads, self.rope_dim))
+        qk_dim = self.nope + self.rope_dim
+        if self.v_dim < qk_dim:
+            v = F.pad(v, (0, qk_dim - self.v_dim))
         return torch.cat((k_nope, k_rope), dim=-1), v
 
     def _flash(self, q, k, v, is_causal: bool, mask=None):
         """CPU flash attention with its log-sum-exp: q/k/v [B, H, *, qk] (v zero-padded to
-        qk) -> (out [B, H, Q, qk] in q's dtype, lse float32 [B, H, Q])."""
+        qk, see `_expand`) -> (out [B, H, Q, qk] in q's dtype, lse float32 [B, H, Q])."""
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=self.scale
         )
@@ -403,15 +407,13 @@ class MultiHeadLatentAttention(nn.Module):
         b, q_len, prefix = group.batch_size, group.query_len, group.shared_prefix
         qk = self.nope + self.rope_dim
         q = torch.cat((q_nope, q_rope), dim=-1)  # [N, H, qk]
-        k, v = self._expand(kv_cache.index_select(0, group.kv_slots[0, :prefix]))  # [P, H, *]
-        v = F.pad(v, (0, qk - self.v_dim)) if self.v_dim < qk else v
+        k, v = self._expand(kv_cache.index_select(0, group.kv_slots[0, :prefix]))  # [P, H, qk]
         out_p, lse_p = self._flash(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], False
         )  # [1, H, N, qk], [1, H, N]
         rest = group.kv_slots[:, prefix:]  # [B, L' ] (pad keys masked)
         context = kv_cache.index_select(0, rest.reshape(-1)).view(b, rest.shape[1], -1)
-        k, v = self._expand(context)  # [B, L', H, *]
-        v = F.pad(v, (0, qk - self.v_dim)) if self.v_dim < qk else v
+        k, v = self._expand(context)  # [B, L', H, qk]
         causal = rest.shape[1] == q_len  # the rest is the new tokens: plain causal
         mask = None
         if not causal:  # the flash kernel takes an additive mask: [1 or B, 1, Q, L']
@@ -437,16 +439,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _expanded(self, q_nope, q_rope, context, group: AttentionGroup) -> torch.Tensor:
         """q_*: [B, Q, H, *], context [B, L, D] -> [B, Q, H, v]."""
-        b, length, _ = context.shape
-        c_kv, k_rope = context.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(c_kv).view(b, length, self.num_heads, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, L, H, nope], [B, L, H, v]
-        k = torch.cat((k_nope, k_rope[:, :, None, :].expand(-1, -1, self.num_heads, -1)), dim=-1)
+        k, v = self._expand(context)  # [B, L, H, nope + rope], v zero-padded to that width
         q = torch.cat((q_nope, q_rope), dim=-1)  # [B, Q, H, nope + rope]
-        # SDPA's fused kernels need v's head dim equal to q/k's: zero-pad v, slice the output.
-        qk_dim = self.nope + self.rope_dim
-        if self.v_dim < qk_dim:
-            v = F.pad(v, (0, qk_dim - self.v_dim))
         # [B, 1, Q, L]; a fresh sequence uses SDPA's own causal mode (its fastest kernel)
         mask = None if group.causal or group.mask is None else group.mask[:, None]
         out = F.scaled_dot_product_attention(

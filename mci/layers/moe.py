@@ -254,10 +254,12 @@ class RoutedExperts(nn.Module):
 class MoE(nn.Module):
     """Routed experts plus always-on shared experts; x: [T, hidden] -> float32 [T, hidden].
 
-    A step of a few tokens on one process with the CPU kernels runs the whole block after the
-    router's matmul in one call (mci/kernels/cpu_moe.c: the same operations as below, about
-    45 small torch ops fewer per layer), unless an expert gets more than
-    `cpu_matvec.EXPERT_MAX_ROWS` tokens; then the routing it computed feeds the paths below.
+    On one process with the CPU kernels, the whole block after the router's matmul is one call
+    (mci/kernels/cpu_moe.c: the same operations as below, about 45 small torch ops fewer per
+    layer): its experts on the skinny kernels when none gets more than
+    `cpu_matvec.EXPERT_MAX_ROWS` tokens, else on AMX tiles (prefill chunks; the shared experts
+    then run below as usual). Without AMX such a step falls back to the paths below, fed the
+    routing the call computed.
 
     Takes its input in float32 (the decoder layer's norm skips rounding it): routing is a
     discrete choice, and near-ties between experts flip on the rounding of the router's input,
