@@ -1,6 +1,7 @@
-/* Decode-sized feed-forward blocks in one call each: the SiLU-gated MLP (dense layers,
- * shared experts) and DeepSeek's MoE after its router matmul (routing, dispatch, the routed
- * experts, their weighted sum, the shared experts).
+/* Feed-forward blocks in one call each: the SiLU-gated MLP (dense layers, shared experts) at
+ * decode sizes, and DeepSeek's MoE after its router matmul (routing, dispatch, the routed
+ * experts on the skinny kernels or, for prefill chunks, on AMX tiles (cpu_amx.c), their
+ * weighted sum, the shared experts).
  *
  * Why: at a few rows these blocks are ~45 small torch ops per MoE layer (the router's top-k
  * steps, a sort, a bincount, index copies, two kernel calls, silu, mul, adds), each costing
