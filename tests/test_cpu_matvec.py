@@ -201,15 +201,29 @@ def test_verification_rows_read_in_place_stay_with_the_onednn_model(checkpoint):
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
 
 
+def _packed_moe(checkpoint, size: str) -> tuple:
+    """(model, its first MoE block) of a bf16 checkpoint packed for the CPU kernels."""
+    model = load_model(checkpoint(size=size, dtype="bfloat16"), "bfloat16")
+    model.pack_for_cpu()
+    return model, next(m for m in model.modules() if isinstance(m, MoE))
+
+
+def _general_path(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The MoE block's output on its torch paths (not the one-call kernel)."""
+    moe._one_call = lambda x: None
+    try:
+        return moe(x)
+    finally:
+        del moe._one_call
+
+
 @pytest.mark.parametrize("size", ["tiny", "small"])
 def test_one_call_moe_and_gated_mlp_take_the_eager_steps(checkpoint, size):
     """The MoE block in one kernel call (cpu_moe.c) routes every token to the experts the
     router picks, with its weights, and sums them as the general path does (float32 rounding
     apart); the gated MLP in one call is bit for bit the eager one. An expert over the row
     limit returns the routing only."""
-    model = load_model(checkpoint(size=size, dtype="bfloat16"), "bfloat16")
-    model.pack_for_cpu()
-    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    model, moe = _packed_moe(checkpoint, size)
     mlp = next(m for m in model.modules() if isinstance(m, GatedMLP))
     g = torch.Generator().manual_seed(4)
     with torch.inference_mode():
@@ -227,9 +241,7 @@ def test_one_call_moe_and_gated_mlp_take_the_eager_steps(checkpoint, size):
             assert torch.allclose(k_weights, weights.gather(1, order), rtol=1e-6, atol=0)
             out, _, _ = matvec.moe(x, moe.gate.logits(x), moe.gate, experts, None, None, 0)
             assert out is None  # every expert is over a limit of 0 rows
-            moe._one_call = lambda x: None  # the general path
-            reference = moe(x)
-            del moe._one_call
+            reference = _general_path(moe, x)
             assert (fused - reference).abs().max() <= 1e-6 * reference.abs().max()
             xb = x.to(torch.bfloat16)
             gate, up = mlp.gate_up_proj(xb).chunk(2, dim=-1)
@@ -288,9 +300,7 @@ def test_prefill_sized_moe_on_amx_stays_with_the_grouped_path(checkpoint):
     """A chunk of tokens busy enough for the AMX experts: every element within a bf16 rounding
     of the grouped batched matmuls' result (most of them equal), at any row count (tiles of
     32 rows, padded)."""
-    model = load_model(checkpoint(size="small", dtype="bfloat16"), "bfloat16")
-    model.pack_for_cpu()
-    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    model, moe = _packed_moe(checkpoint, "small")
     assert moe.experts.amx is not None
     g = torch.Generator().manual_seed(6)
     with torch.inference_mode():
@@ -298,9 +308,7 @@ def test_prefill_sized_moe_on_amx_stays_with_the_grouped_path(checkpoint):
             x = torch.randn(t, model.cfg.hidden_size, generator=g) * 2
             assert moe._one_call(x) is not None
             amx = moe(x)
-            moe._one_call = lambda x: None
-            grouped = moe(x)
-            del moe._one_call
+            grouped = _general_path(moe, x)
             scale = grouped.abs().max()
             assert (amx - grouped).abs().max() <= 2**-8 * scale
             assert (amx == grouped).float().mean() > 0.8

@@ -59,6 +59,10 @@ class TopKRouter(nn.Module):
     def bias(self) -> torch.Tensor:
         return self.e_score_correction_bias
 
+    @property
+    def batch_invariant(self) -> bool:
+        return self._packed is not None
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> float32 [T, E], the gate's matmul (in float32)."""
         if self._packed is not None:
@@ -294,7 +298,7 @@ class MoE(nn.Module):
             or self.parallel.world_size > 1
             or (x.shape[0] > cpu_matvec.MAX_ROWS and self.experts.amx is None)
             or x.dtype != torch.float32
-            or self.gate._packed is not None  # batch invariance: the gate's own kernel
+            or self.gate.batch_invariant  # the gate's own kernel, row by row
         ):
             return None
         return matvec
