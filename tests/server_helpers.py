@@ -95,11 +95,13 @@ def complete_into(url: str, prompt: str, max_tokens: int, results: dict, key) ->
         results[key] = (None, str(exc), None)
 
 
-def long_request_then_queued(url: str, prompts: list[str], results: dict, send=complete_into):
-    """On a server with --max-running-requests 1: a 1,500-token request (key "long", sent by
+def long_request_then_queued(
+    url: str, prompts: list[str], results: dict, send=complete_into, max_tokens: int = 1500
+):
+    """On a server with --max-running-requests 1: a `max_tokens` request (key "long", sent by
     `send`) that runs alone, then `prompts` queued behind it (8 tokens each, keys 0..n-1).
     Returns the threads: (long, queued)."""
-    long = threading.Thread(target=send, args=(url, "x", 1500, results, "long"))
+    long = threading.Thread(target=send, args=(url, "x", max_tokens, results, "long"))
     long.start()
     time.sleep(1.0)
     queued = [

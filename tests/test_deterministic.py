@@ -67,6 +67,30 @@ def test_logits_do_not_depend_on_batch_chunking_or_step_shape(bf16):
         assert torch.equal(_target_logits(model, schedule, seqs), whole), name
 
 
+def test_chunked_prompts_equal_whole_ones(bf16):
+    """Prompts of the served test below, each in 7-token chunks vs whole. On an AMD EPYC
+    (avx512_bf16, no AMX), SDPA over padded keys rounded one row of prompt 27 differently with
+    the chunk's query count; with the CPU kernels every row now attends alone."""
+    _, model = bf16
+    for i, prompt in enumerate(_served_prompts()):
+        whole = _target_logits(model, [[(0, len(prompt))]], [prompt])
+        chunks = [[(0, min(7, len(prompt) - s))] for s in range(0, len(prompt), 7)]
+        assert torch.equal(_target_logits(model, chunks, [prompt]), whole), i
+
+
+def _served_prompts() -> list[list[int]]:
+    """32 prompts of 4-39 tokens, every fourth after a shared 20-token prefix."""
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, 2000, (20,), generator=gen).tolist()
+    return [
+        (shared if i % 4 == 0 else [])
+        + torch.randint(
+            3, 2000, (int(torch.randint(4, 40, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for i in range(32)
+    ]
+
+
 def _requests(tag: str) -> list[Request]:
     """32 requests: mixed lengths, 8 sharing a 24-token prefix, a third sampled with a seed,
     every one with logprobs."""
@@ -177,15 +201,7 @@ def test_served_outputs_identical_across_schedules(checkpoint):
     from server_helpers import LiveServer
 
     path = checkpoint(dtype="bfloat16")
-    gen = torch.Generator().manual_seed(5)
-    shared = torch.randint(3, 2000, (20,), generator=gen).tolist()
-    prompts = [
-        (shared if i % 4 == 0 else [])
-        + torch.randint(
-            3, 2000, (int(torch.randint(4, 40, (1,), generator=gen)),), generator=gen
-        ).tolist()
-        for i in range(32)
-    ]
+    prompts = _served_prompts()
     name = ("--served-model-name", "m", "--deterministic")
     with LiveServer(path, *name, "--max-total-tokens", "4096", dtype="bfloat16") as server:
         together = _served_outputs(server, prompts, concurrent=True)

@@ -23,6 +23,11 @@ from server_helpers import complete_into as _complete
 
 PROMPTS = [f"def task_{i}(x):" for i in range(4)]
 WATCHDOG_S = 2.0
+# The request that must still be running seconds after it started: at ~1,250 tokens/s (the
+# tiny model, float32, on a fast machine) 1,500 tokens were done in 1.2 s, before the hang or
+# the queue timeout it was meant to outlast. 5,000 tokens in an 8,192-position context.
+LONG_CONTEXT = 8192
+LONG_TOKENS = 5000
 
 
 def _stream(url: str, prompt: str, max_tokens: int, results: dict, key) -> None:
@@ -48,7 +53,7 @@ def _stream(url: str, prompt: str, max_tokens: int, results: dict, key) -> None:
 
 
 def test_sigstopped_engine_is_detected_killed_and_restarted(checkpoint):
-    path = checkpoint()
+    path = checkpoint(max_position_embeddings=LONG_CONTEXT)
     flags = ("--max-running-requests", "1", "--watchdog-timeout", str(WATCHDOG_S))
     with LiveServer(path, *flags) as server:
         reference = {}
@@ -56,7 +61,9 @@ def test_sigstopped_engine_is_detected_killed_and_restarted(checkpoint):
             _complete(server.url, p, 8, reference, i)
         engine_pid = server.state()["engine_pid"]
         results: dict = {}
-        long, queued = long_request_then_queued(server.url, PROMPTS, results, send=_stream)
+        long, queued = long_request_then_queued(
+            server.url, PROMPTS, results, send=_stream, max_tokens=LONG_TOKENS
+        )
         os.kill(engine_pid, signal.SIGSTOP)
         stopped = time.monotonic()
         try:
@@ -99,11 +106,12 @@ def test_sigstopped_engine_is_detected_killed_and_restarted(checkpoint):
 
 
 def test_a_request_queued_past_max_queue_time_gets_503_with_retry_after(checkpoint):
-    path = checkpoint()
+    path = checkpoint(max_position_embeddings=LONG_CONTEXT)
     flags = ("--max-running-requests", "1", "--max-queue-time", "1")
     with LiveServer(path, *flags) as server:
         results: dict = {}
-        long = threading.Thread(target=_complete, args=(server.url, "x", 1500, results, "long"))
+        args = (server.url, "x", LONG_TOKENS, results, "long")
+        long = threading.Thread(target=_complete, args=args)
         long.start()
         time.sleep(0.5)
         queued = [

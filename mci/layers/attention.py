@@ -43,11 +43,19 @@ from mci.layers.norm import RMSNorm
 from mci.layers.rotary import apply_rope
 from mci.parallel.context import ParallelContext
 
-# Batch-invariant attention pads each group's keys to a multiple of this (masked): SDPA's CPU
-# kernel handles a key tail shorter than its 16-wide vectors apart, which changes a query's
-# result with the padded length; over whole multiples of 16 it does not (measured: a query's
-# output is bitwise the same for key lengths 16..2,048 padded from 7 or 300 real keys).
+# Batch-invariant attention without the CPU kernels pads each group's keys to a multiple of
+# this (masked): SDPA's CPU kernel handles a key tail shorter than its 16-wide vectors apart,
+# which changes a query's result with the padded length; over whole multiples of 16 it does
+# not on an Intel CPU with AMX (measured: a query's output is bitwise the same for key lengths
+# 16..2,048 padded from 7 or 300 real keys). On an AMD EPYC (avx512_bf16, no AMX) it still
+# moved a row by a bf16 ulp with the chunk's query count, so with the CPU kernels every query
+# row attends alone instead (`DeepseekV3ForCausalLM.attention_layout`).
 ATTENTION_KEY_MULTIPLE = 16
+
+# Batch-invariant attention with the CPU kernels: every sequence's rows join the decode group
+# (one item per row, read in place by the decode kernel, whose sums run in one order per row
+# whatever the step).
+EVERY_ROW = 1 << 62
 
 # With the CPU kernels, a sequence of up to this many new tokens (a speculative verification's
 # k + 1 rows) attends in the decode group, each row read in place through the cache's slots,
@@ -286,7 +294,6 @@ class MultiHeadLatentAttention(nn.Module):
             absorbed
             and group.lengths is not None
             and matvec is not None
-            and self.fixed_rows is None
             and kv_cache.dtype == torch.bfloat16
             and self.kv_lora_rank <= cpu_matvec.MAX_LATENT
         ):

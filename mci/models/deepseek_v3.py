@@ -18,6 +18,7 @@ from mci.kernels import cpu_matvec
 from mci.layers.attention import (
     ATTENTION_KEY_MULTIPLE,
     CASCADE_MIN_PREFIX,
+    EVERY_ROW,
     IN_PLACE_QUERY_ROWS,
     MultiHeadLatentAttention,
     choose_absorbed,
@@ -137,9 +138,12 @@ class DeepseekV3ForCausalLM(nn.Module):
           picks another kernel for one row than for several), the absorbed attention's
           batched matmuls; the routed experts always loop (the grouped batched matmul is
           another kernel than the looped one);
-        * attention always takes the absorbed path (the expanded one rounds differently), over
+        * attention always takes the absorbed path (the expanded one rounds differently): with
+          the CPU kernels every query row attends alone through the decode kernel (one order
+          of sums per row, whatever the step; `attention_layout`), else through SDPA over
           keys padded to a multiple of `ATTENTION_KEY_MULTIPLE` (SDPA's CPU kernel sums a key
-          tail shorter than its vector width in another order);
+          tail shorter than its vector width in another order; on an AMD CPU it was seen to
+          round a row differently with the chunk's query count even so);
         * everything else is already row-wise: norms, rope, the residual stream, the
           sampler.
 
@@ -156,13 +160,17 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @property
     def attention_layout(self) -> AttentionLayout:
-        """How a step's attention is grouped (see `AttentionMetadata`): keys padded for batch
-        invariance; with the CPU kernels, sequences of a few new tokens (a speculative
+        """How a step's attention is grouped (see `AttentionMetadata`): for batch invariance,
+        every row alone in the decode group (or keys padded, without the kernels); with the
+        CPU kernels, sequences of a few new tokens (a speculative
         verification's k + 1) attend in the decode group, read in place; on the CPU, a shared
         cached prefix attends once (cascade attention)."""
-        if self.batch_invariant:
-            return AttentionLayout(key_multiple=ATTENTION_KEY_MULTIPLE)
         in_place = self.cpu_kernels is not None and self.dtype == torch.bfloat16
+        if self.batch_invariant:  # every row alone in the decode kernel, else padded SDPA
+            attention = self.model.layers[0].self_attn
+            if in_place and attention.kv_b_proj.matvec is not None:  # not FP8 weights
+                return AttentionLayout(row_query_max=EVERY_ROW)
+            return AttentionLayout(key_multiple=ATTENTION_KEY_MULTIPLE)
         cpu = self.lm_head.weight.device.type == "cpu"  # the cascade's flash kernel is the CPU's
         return AttentionLayout(
             row_query_max=IN_PLACE_QUERY_ROWS if in_place else 1,
