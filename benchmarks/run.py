@@ -311,6 +311,9 @@ def engine_cmd(name: str, port: int, args) -> tuple[list[str], dict]:
             "-t",
             str(os.cpu_count()),
             "--no-webui",
+            # its jinja parser rejects the checkpoint's tool-call chat template and exits; the
+            # benchmark only uses /v1/completions, which needs no template
+            "--no-jinja",
         ]
         return cmd + shlex.split(args.llama_extra), env
     raise ValueError(name)

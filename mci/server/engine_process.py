@@ -29,6 +29,7 @@ from mci.engine_loop import (
     EngineLoop,
 )
 from mci.errors import EngineBroken, UserError
+from mci.heap import freeze_startup_objects
 from mci.request_front import sample_ids
 from mci.server import messages
 
@@ -120,6 +121,7 @@ def engine_main(config: EngineConfig, conn: Connection) -> None:
         conn.send(messages.Failed(str(exc)))
         return
     info = {"pid": os.getpid(), "weight_bytes": parts.model.weight_bytes(), **parts.core.stats()}
+    freeze_startup_objects()
     conn.send(messages.Ready(info))
     inbox = PipeInbox(conn, parts)
     loop = EngineLoop(parts.core)

@@ -18,6 +18,7 @@ import uvicorn
 from mci.config import load_config
 from mci.engine_config import EngineConfig, ServerConfig
 from mci.errors import UserError
+from mci.heap import freeze_startup_objects
 from mci.server.app import build_app
 from mci.server.engine_client import EngineClient
 from mci.server.state import ServerState
@@ -108,6 +109,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         lifespan="off",
     )
     server = DrainingServer(uv, state)
+    freeze_startup_objects()
     log.info(
         "serving on http://%s:%d (OpenAI API under /v1)", server_config.host, server_config.port
     )
