@@ -156,6 +156,67 @@ def test_rope_and_latent_rows_are_the_eager_values(interleave):
     assert not cache[untouched].any()
 
 
+@pytest.mark.parametrize(
+    "b, h, q, length, d, dv, shared",
+    [(1, 4, 70, 70, 96, 64, True), (2, 3, 9, 41, 48, 32, True), (3, 2, 5, 33, 20, 20, False)],
+)
+def test_prefill_attention_is_a_float32_softmax_rounded_once(b, h, q, length, d, dv, shared):
+    """Scores and softmax in float32 over each row's first `limits` keys (causal, ragged,
+    lengths not a multiple of 16), P rounded once to bf16 and times V: within bf16 rounding
+    of a float64 reference, the log-sum-exp within float32 rounding; a row's result does not
+    depend on the others."""
+    g = torch.Generator().manual_seed(b * 100 + q)
+    qs, ks = torch.randn(b, h, q, d, generator=g), torch.randn(b, h, length, d, generator=g)
+    vs = torch.randn(b, h, length, dv, generator=g)
+    qs, ks, vs = (t.to(torch.bfloat16) for t in (qs, ks, vs))
+    if shared:  # a prefill group's causal rows: the last q positions of the context
+        limits = torch.arange(length - q + 1, length + 1)[None]
+    else:
+        limits = torch.randint(1, length + 1, (b, q), generator=g)
+    scale = d**-0.5
+    out, lse = matvec.prefill_attention(qs, ks, vs, limits, scale)
+    scores = qs.double() @ ks.double().transpose(-1, -2) * scale
+    seen = torch.arange(length)[None, None, None, :] < limits[:, None, :, None]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    ref = scores.softmax(-1) @ vs.double()
+    assert (out.double() - ref).abs().max() < 0.02  # P and the output each rounded to bf16
+    assert (lse.double() - scores.logsumexp(-1)).abs().max() < 1e-5
+    rows = slice(1, 3)  # the same rows alone: the same bits
+    alone, _ = matvec.prefill_attention(qs[:, :, rows], ks, vs, limits[:, rows].contiguous(), scale)
+    assert torch.equal(alone, out[:, :, rows])
+
+
+def test_prefill_attention_on_the_kernels_stays_with_the_flash_kernel(checkpoint, monkeypatch):
+    """A bf16 model's prefill chunks (plain causal, then after cached tokens of its own)
+    give the same logits within bf16 rounding with the kernel's prefill attention as with
+    torch's flash kernel, and the same greedy tokens."""
+    path = checkpoint(dtype="bfloat16")
+    model = load_model(path, "bfloat16")
+    model.pack_for_cpu()
+    ids = torch.randint(0, 2048, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+
+    def logits() -> torch.Tensor:
+        cache, out, done = model.allocate_kv_cache(len(ids)), [], 0
+        for n in (24, 16):
+            meta = AttentionMetadata.build([SequenceChunk(torch.arange(done + n), n)])
+            hidden = model(torch.tensor(ids[done : done + n]), meta, cache, "expanded")
+            out.append(model.logits(hidden))
+            done += n
+        return torch.cat(out)
+
+    calls = []
+    run = matvec.prefill_attention
+    monkeypatch.setattr(matvec, "prefill_attention", lambda *a: calls.append(1) or run(*a))
+    kernel = logits()
+    assert calls  # the kernel's path was taken
+    for module in model.modules():
+        if hasattr(module, "_prefill_kernels"):  # as without the CPU kernels: flash
+            monkeypatch.setattr(module, "_prefill_kernels", lambda q: None)
+    flash = logits()
+    assert (kernel - flash).abs().max() < 0.05
+    assert torch.equal(kernel.argmax(-1), flash.argmax(-1))
+
+
 def test_a_model_on_the_kernels_stays_with_the_onednn_model(checkpoint):
     """Decode steps (one row) take the kernels; their logits stay within bf16 rounding of the
     oneDNN-only model's, step after step."""

@@ -1,7 +1,8 @@
 """Skinny bf16 matmuls on the CPU (decode sizes: up to 16 rows), decode attention over the
 latent cache read in place, and the small per-token steps around them (RMSNorm, rope, the
 latent cache write), from cpu_matvec.c; the gated MLP and the whole MoE block at those sizes
-in one call each, from cpu_moe.c.
+in one call each, from cpu_moe.c; prefill attention's scores and softmax, from
+cpu_prefill_attention.c.
 
 At a few rows oneDNN's bf16 matmul is call-overhead and kernel bound, far below the memory
 bandwidth a weight read needs (measured on a 512x512 weight: ~60 us, against ~7 us for this
@@ -32,12 +33,13 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_matvec.c", "cpu_mla.c", "cpu_moe.c", "cpu_amx.c")
+    for name in ("cpu_matvec.c", "cpu_mla.c", "cpu_moe.c", "cpu_amx.c", "cpu_prefill_attention.c")
 ]
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 # -ffp-contract=off: where the C code writes a product and then a sum (rope, the experts'
@@ -190,6 +192,56 @@ class MatvecLibrary:
                               ctypes.c_float, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr,
                               long, ptr, ctypes.c_float, ptr, ptr]  # fmt: skip
         self._mla.restype = ctypes.c_int
+        self._probs = lib.mci_bf16_prefill_attention_probs
+        self._probs.argtypes = [ptr, ptr, ptr, long, long, long, long, long, long, long,
+                                ctypes.c_float, ptr, ptr]  # fmt: skip
+        self._probs.restype = ctypes.c_int
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        limits: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of many query rows (prefill chunks): q [B, H, Q, d], k [B, H, L, d],
+        v [B, H, L, dv] bf16, limits int64 [B or 1, Q] (row r of sequence b sees keys
+        0 .. limits[b, r] - 1, 1 <= limit <= L) -> (out [B, H, Q, dv] bf16, log-sum-exp
+        float32 [B, H, Q]). The scores and the softmax in one kernel call, in float32
+        (cpu_prefill_attention.c); P (rounded once to bf16) times V in oneDNN's bf16 matmul,
+        its float32 sums rounded once. Callers check d is even."""
+        b, h, nq, d = q.shape
+        length, dv = k.shape[2], v.shape[3]
+        blocks = -(-length // 16)
+        pad = blocks * 16 - length
+        # keys pair-interleaved in blocks of 16, as vdpbf16ps takes them: [G, Lb, d/2, 16, 2]
+        kp = F.pad(k, (0, 0, 0, pad)).reshape(b * h, blocks, 16, d // 2, 2)
+        kp = kp.transpose(2, 3).contiguous()
+        q = q.reshape(b * h, nq, d).contiguous()
+        limits = limits.contiguous()
+        probs = torch.empty(b * h, nq, blocks * 16, dtype=torch.bfloat16)
+        lse = torch.empty(b * h, nq, dtype=torch.float32)
+        status = self._probs(
+            q.data_ptr(),
+            kp.data_ptr(),
+            limits.data_ptr(),
+            nq if limits.shape[0] > 1 else 0,
+            b * h,
+            h,
+            nq,
+            d,
+            blocks,
+            blocks * 16,
+            scale,
+            probs.data_ptr(),
+            lse.data_ptr(),
+        )
+        if status != 0:
+            raise ValueError(f"prefill_attention: head dim {d} is odd")
+        values = F.pad(v, (0, 0, 0, pad)).reshape(b * h, blocks * 16, dv)
+        out = torch.bmm(probs, values)  # pad keys: probability 0, value 0
+        return out.view(b, h, nq, dv), lse.view(b, h, nq)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ weight [n, k]^T -> [m, n], bf16."""

@@ -385,16 +385,12 @@ class MultiHeadLatentAttention(nn.Module):
         return self._per_head(out_lat, w_uv_t, w_uv)
 
     def _expand(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent rows [..., kv_lora + rope] -> (keys [..., H, nope + rope], values
-        [..., H, nope + rope]) of every head; the values zero-padded from v to the keys' width
-        (SDPA's fused kernels need equal head dims: callers slice the output back to v)."""
+        """Latent rows [..., kv_lora + rope] -> (keys [..., H, nope + rope], values [..., H, v])
+        of every head."""
         c_kv, k_rope = context.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(c_kv.shape[:-1] + (self.num_heads, self.nope + self.v_dim))
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rope = k_rope.unsqueeze(-2).expand(k_rope.shape[:-1] + (self.num_heads, self.rope_dim))
-        qk_dim = self.nope + self.rope_dim
-        if self.v_dim < qk_dim:
-            v = F.pad(v, (0, qk_dim - self.v_dim))
         return torch.cat((k_nope, k_rope), dim=-1), v
 
     def _flash(self, q, k, v, is_causal: bool, mask=None):
@@ -414,40 +410,75 @@ class MultiHeadLatentAttention(nn.Module):
         b, q_len, prefix = group.batch_size, group.query_len, group.shared_prefix
         qk = self.nope + self.rope_dim
         q = torch.cat((q_nope, q_rope), dim=-1)  # [N, H, qk]
-        k, v = self._expand(kv_cache.index_select(0, group.kv_slots[0, :prefix]))  # [P, H, qk]
-        out_p, lse_p = self._flash(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], False
-        )  # [1, H, N, qk], [1, H, N]
+        k, v = self._expand(kv_cache.index_select(0, group.kv_slots[0, :prefix]))  # [P, H, *]
+        n = q.shape[0]
+        out_p, lse_p = self._attend_prefill(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            torch.full((1, n), prefix, dtype=torch.long),
+            causal=False,
+            mask=None,
+        )  # [1, H, N, v], [1, H, N]
         rest = group.kv_slots[:, prefix:]  # [B, L' ] (pad keys masked)
         context = kv_cache.index_select(0, rest.reshape(-1)).view(b, rest.shape[1], -1)
-        k, v = self._expand(context)  # [B, L', H, qk]
-        causal = rest.shape[1] == q_len  # the rest is the new tokens: plain causal
-        mask = None
-        if not causal:  # the flash kernel takes an additive mask: [1 or B, 1, Q, L']
-            seen = group.mask[:, None, :, prefix:]
-            mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device)
-            mask.masked_fill_(~seen, float("-inf"))
-        out_r, lse_r = self._flash(
+        k, v = self._expand(context)  # [B, L', H, *]
+        out_r, lse_r = self._attend_prefill(
             q.view(b, q_len, self.num_heads, qk).transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            causal,
-            mask,
-        )  # [B, H, Q, qk], [B, H, Q]
-        out_p = out_p[0].transpose(0, 1)  # [N, H, qk]
-        out_r = out_r.transpose(1, 2).reshape(b * q_len, self.num_heads, qk)
+            group.key_limits - prefix,
+            causal=rest.shape[1] == q_len,  # the rest is the new tokens: plain causal
+            mask=group.mask[:, None, :, prefix:],
+        )  # [B, H, Q, v], [B, H, Q]
+        out_p = out_p[0].transpose(0, 1)  # [N, H, v]
+        out_r = out_r.transpose(1, 2).reshape(b * q_len, self.num_heads, -1)
         lse_p = lse_p[0].transpose(0, 1)  # [N, H]
         lse_r = lse_r.transpose(1, 2).reshape(b * q_len, self.num_heads)
         top = torch.maximum(lse_p, lse_r)
         w_p, w_r = (lse_p - top).exp(), (lse_r - top).exp()
         out = out_p.float() * w_p[..., None] + out_r.float() * w_r[..., None]
         out = out / (w_p + w_r)[..., None]
-        return out[..., : self.v_dim].to(q_nope.dtype)
+        return out.to(q_nope.dtype)
+
+    def _prefill_kernels(self, q: torch.Tensor):
+        """The CPU kernels when prefill attention runs on them (bf16 on the CPU), else None."""
+        kernels = self.kv_a_layernorm.kernels
+        if kernels is None or q.dtype != torch.bfloat16 or q.device.type != "cpu":
+            return None
+        return kernels if q.shape[-1] % 2 == 0 else None
+
+    def _attend_prefill(self, q, k, v, limits, causal: bool, mask):
+        """q [B, H, Q, qk], k [B, H, L, qk], v [B, H, L, v] -> (out [B, H, Q, v], log-sum-exp
+        float32 [B, H, Q]); row r of sequence b sees keys 0 .. limits[b or 0, r] - 1, which
+        `causal` or the bool `mask` ([B or 1, 1, Q, L]) also say, for the flash kernel. On
+        the CPU kernels (bf16): their prefill attention, ~2.6x the flash kernel's speed at
+        1,056 tokens on an AMD EPYC (see cpu_prefill_attention.c)."""
+        kernels = self._prefill_kernels(q)
+        if kernels is not None:
+            return kernels.prefill_attention(q, k, v, limits, self.scale)
+        qk = q.shape[-1]
+        if self.v_dim < qk:  # SDPA's fused kernels need equal head dims
+            v = F.pad(v, (0, qk - self.v_dim))
+        additive = None
+        if not causal and mask is not None:  # the flash kernel takes an additive mask
+            additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            additive.masked_fill_(~mask, float("-inf"))
+        out, lse = self._flash(q, k, v, causal, additive)
+        return out[..., : self.v_dim], lse
 
     def _expanded(self, q_nope, q_rope, context, group: AttentionGroup) -> torch.Tensor:
         """q_*: [B, Q, H, *], context [B, L, D] -> [B, Q, H, v]."""
-        k, v = self._expand(context)  # [B, L, H, nope + rope], v zero-padded to that width
+        k, v = self._expand(context)  # [B, L, H, nope + rope], [B, L, H, v]
         q = torch.cat((q_nope, q_rope), dim=-1)  # [B, Q, H, nope + rope]
+        if group.key_limits is not None and self._prefill_kernels(q) is not None:
+            out, _ = self._attend_prefill(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group.key_limits,
+                group.causal, group.mask,
+            )  # fmt: skip
+            return out.transpose(1, 2)  # [B, Q, H, v]
+        if self.v_dim < q.shape[-1]:  # SDPA's fused kernels need equal head dims
+            v = F.pad(v, (0, q.shape[-1] - self.v_dim))
         # [B, 1, Q, L]; a fresh sequence uses SDPA's own causal mode (its fastest kernel)
         mask = None if group.causal or group.mask is None else group.mask[:, None]
         out = F.scaled_dot_product_attention(

@@ -87,6 +87,9 @@ class AttentionGroup:
     # through `kv_slots` stop there instead of masking); None for prefill groups
     lengths: torch.Tensor | None
     causal: bool  # a single fresh sequence (Q == L): `mask` is plain causal (is_causal works)
+    # [1, Q] int64, prefill groups: query row r sees keys 0 .. key_limits[0, r] - 1 (what
+    # `mask` says, as the CPU prefill kernel takes it); None for the decode group
+    key_limits: torch.Tensor | None
     # leading context positions whose slots every sequence of the group shares (at least
     # `AttentionLayout.cascade_min_prefix` of them, else 0): all the group's queries see them
     shared_prefix: int
@@ -210,6 +213,7 @@ def _decode_group(chunks, decodes, starts, ctx_lens, device, key_multiple) -> At
         mask=mask,
         lengths=torch.tensor(lens, dtype=torch.long, device=device),
         causal=False,
+        key_limits=None,
         shared_prefix=0,
         sum_query_len=len(rows),
         sum_query_times_context=sum(lens),
@@ -243,6 +247,7 @@ def _prefill_group(chunks, starts: list[int], device, layout: AttentionLayout) -
         mask=mask.to(device),
         lengths=None,
         causal=q == length == padded,
+        key_limits=torch.arange(length - q + 1, length + 1, device=device)[None],
         shared_prefix=_shared_prefix(kv_slots, length - q, layout.cascade_min_prefix),
         sum_query_len=b * q,
         sum_query_times_context=b * q * length,
