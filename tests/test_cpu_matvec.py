@@ -160,11 +160,13 @@ def test_rope_and_latent_rows_are_the_eager_values(interleave):
     "b, h, q, length, d, dv, shared",
     [(1, 4, 70, 70, 96, 64, True), (2, 3, 9, 41, 48, 32, True), (3, 2, 5, 33, 20, 20, False)],
 )
-def test_prefill_attention_is_a_float32_softmax_rounded_once(b, h, q, length, d, dv, shared):
+def test_prefill_attention_is_a_float32_softmax_rounded_once(
+    b, h, q, length, d, dv, shared, monkeypatch
+):
     """Scores and softmax in float32 over each row's first `limits` keys (causal, ragged,
     lengths not a multiple of 16), P rounded once to bf16 and times V: within bf16 rounding
-    of a float64 reference, the log-sum-exp within float32 rounding; a row's result does not
-    depend on the others."""
+    of a float64 reference, the log-sum-exp within float32 rounding, also when the rows go
+    in chunks of 8 (P's memory bound); a row's result does not depend on the others."""
     g = torch.Generator().manual_seed(b * 100 + q)
     qs, ks = torch.randn(b, h, q, d, generator=g), torch.randn(b, h, length, d, generator=g)
     vs = torch.randn(b, h, length, dv, generator=g)
@@ -181,6 +183,11 @@ def test_prefill_attention_is_a_float32_softmax_rounded_once(b, h, q, length, d,
     ref = scores.softmax(-1) @ vs.double()
     assert (out.double() - ref).abs().max() < 0.02  # P and the output each rounded to bf16
     assert (lse.double() - scores.logsumexp(-1)).abs().max() < 1e-5
+    monkeypatch.setattr(cpu_matvec, "PREFILL_PROBS_BYTES", 1)  # chunks of 8 query rows
+    chunked, chunked_lse = matvec.prefill_attention(qs, ks, vs, limits, scale)
+    assert (chunked.double() - ref).abs().max() < 0.02
+    assert torch.equal(chunked_lse, lse)  # the kernel's rows: the same bits
+    monkeypatch.undo()
     rows = slice(1, 3)  # the same rows alone: the same bits
     alone, _ = matvec.prefill_attention(qs[:, :, rows], ks, vs, limits[:, rows].contiguous(), scale)
     assert torch.equal(alone, out[:, :, rows])

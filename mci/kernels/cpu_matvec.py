@@ -59,6 +59,10 @@ MAX_ROWS = 16
 # 1.1 vs 1.5 ms at 24 tokens, up to 8; and the whole 32-request decode step, alternating in
 # one process: median 31.8 ms with up to 16 rows per expert here, 36.8 ms with up to 8).
 EXPERT_MAX_ROWS = 16
+# Most bytes of prefill attention's probabilities P held at once: query rows go through
+# `MatvecLibrary.prefill_attention` in chunks of this size (a 2,048-token chunk of
+# DeepSeek-V3's 128 heads would otherwise hold 1 GiB).
+PREFILL_PROBS_BYTES = 64 << 20
 # Widest latent (kv_lora_rank) the decode attention kernel takes: cpu_matvec.c's MAX_LATENT
 # (its per-head float32 accumulators live on the stack). DeepSeek-V3 has 512.
 MAX_LATENT = 1024
@@ -208,9 +212,9 @@ class MatvecLibrary:
         """Attention of many query rows (prefill chunks): q [B, H, Q, d], k [B, H, L, d],
         v [B, H, L, dv] bf16, limits int64 [B or 1, Q] (row r of sequence b sees keys
         0 .. limits[b, r] - 1, 1 <= limit <= L) -> (out [B, H, Q, dv] bf16, log-sum-exp
-        float32 [B, H, Q]). The scores and the softmax in one kernel call, in float32
-        (cpu_prefill_attention.c); P (rounded once to bf16) times V in oneDNN's bf16 matmul,
-        its float32 sums rounded once. Callers check d is even."""
+        float32 [B, H, Q]). Per chunk of query rows: the scores and the softmax in one kernel
+        call, in float32 (cpu_prefill_attention.c); P (rounded once to bf16) times V in
+        oneDNN's bf16 matmul, its float32 sums rounded once. Callers check d is even."""
         b, h, nq, d = q.shape
         length, dv = k.shape[2], v.shape[3]
         blocks = -(-length // 16)
@@ -218,29 +222,39 @@ class MatvecLibrary:
         # keys pair-interleaved in blocks of 16, as vdpbf16ps takes them: [G, Lb, d/2, 16, 2]
         kp = F.pad(k, (0, 0, 0, pad)).reshape(b * h, blocks, 16, d // 2, 2)
         kp = kp.transpose(2, 3).contiguous()
-        q = q.reshape(b * h, nq, d).contiguous()
-        limits = limits.contiguous()
-        probs = torch.empty(b * h, nq, blocks * 16, dtype=torch.bfloat16)
-        lse = torch.empty(b * h, nq, dtype=torch.float32)
-        status = self._probs(
-            q.data_ptr(),
-            kp.data_ptr(),
-            limits.data_ptr(),
-            nq if limits.shape[0] > 1 else 0,
-            b * h,
-            h,
-            nq,
-            d,
-            blocks,
-            blocks * 16,
-            scale,
-            probs.data_ptr(),
-            lse.data_ptr(),
-        )
-        if status != 0:
-            raise ValueError(f"prefill_attention: head dim {d} is odd")
         values = F.pad(v, (0, 0, 0, pad)).reshape(b * h, blocks * 16, dv)
-        out = torch.bmm(probs, values)  # pad keys: probability 0, value 0
+        q = q.reshape(b * h, nq, d)
+        out = torch.empty(b * h, nq, dv, dtype=torch.bfloat16)
+        lse = torch.empty(b * h, nq, dtype=torch.float32)
+        # P is materialised a chunk of query rows at a time (at most PREFILL_PROBS_BYTES), each
+        # chunk over the keys its rows see (causal rows skip the keys after them)
+        step = max(8, PREFILL_PROBS_BYTES // (2 * b * h * blocks * 16)) // 8 * 8
+        for start in range(0, nq, step):
+            rows = slice(start, min(nq, start + step))
+            lim = limits[:, rows].contiguous()
+            width = -(-int(lim.max()) // 16) * 16  # P's columns: every key these rows see
+            part = q[:, rows].contiguous()
+            probs = torch.empty(b * h, part.shape[1], width, dtype=torch.bfloat16)
+            part_lse = torch.empty(b * h, part.shape[1], dtype=torch.float32)
+            status = self._probs(
+                part.data_ptr(),
+                kp.data_ptr(),
+                lim.data_ptr(),
+                part.shape[1] if lim.shape[0] > 1 else 0,
+                b * h,
+                h,
+                part.shape[1],
+                d,
+                blocks,
+                width,
+                scale,
+                probs.data_ptr(),
+                part_lse.data_ptr(),
+            )
+            if status != 0:
+                raise ValueError(f"prefill_attention: head dim {d} is odd")
+            torch.bmm(probs, values[:, :width], out=out[:, rows])  # P: 0 past each row's keys
+            lse[:, rows] = part_lse
         return out.view(b, h, nq, dv), lse.view(b, h, nq)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@
  *          2t, 2t+1 at [t][j][0..1]), as vdpbf16ps takes them; Lb = ceil(L / 16), zero pad keys
  *   limits int64 [B, Q] (ld_limits = Q) or [1, Q] shared (ld_limits = 0): row r of sequence b
  *          sees keys 0 .. limits[b, r] - 1 (causal and pad masks are both such prefixes)
- *   p      [G, Q, Lp] (Lp = 16 Lb): the probabilities, rounded once to bf16,
- *          zero past each row's limit
+ *   p      [G, Q, Lp] (Lp a multiple of 16, <= 16 Lb, and no limit above it): the
+ *          probabilities, rounded once to bf16, zero past each row's limit
  *   lse    float32 [G, Q]: log sum exp of the row's scaled scores (-inf for an empty row)
  * A row's result depends only on its own query, its keys and its limit: each row is computed
  * alone, in the same order of sums, whatever the other rows, the batch or the threads. */
@@ -75,7 +75,7 @@ static void softmax_row(const float *s, long limit, long lp, uint16_t *p, float 
 int mci_bf16_prefill_attention_probs(const uint16_t *q, const uint16_t *kp, const int64_t *limits,
                                      long ld_limits, long groups, long heads, long nq, long d,
                                      long lb, long lp, float scale, uint16_t *p, float *lse) {
-    if (d % 2 || lp != lb * 16) return -1;
+    if (d % 2 || lp % 16 || lp > lb * 16) return -1;
     const long blocks = (nq + ROWS - 1) / ROWS;
 #pragma omp parallel
     {
@@ -87,7 +87,8 @@ int mci_bf16_prefill_attention_probs(const uint16_t *q, const uint16_t *kp, cons
             const int64_t *lim = limits + (g / heads) * ld_limits + r0;
             long kend = 0;
             for (int r = 0; r < rows; r++) kend = lim[r] > kend ? lim[r] : kend;
-            const long nkb = (kend + 15) / 16 < lb ? (kend + 15) / 16 : lb;
+            if (kend > lp) kend = lp; /* the caller's promise; never read past P's row */
+            const long nkb = (kend + 15) / 16;
             scores_block(q + (g * nq + r0) * d, d, kp + g * lb * (d / 2) * 32, nkb, rows, scale,
                          s, lb * 16);
             for (int r = 0; r < rows; r++) {
