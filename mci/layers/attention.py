@@ -395,7 +395,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _flash(self, q, k, v, is_causal: bool, mask=None):
         """CPU flash attention with its log-sum-exp: q/k/v [B, H, *, qk] (v zero-padded to
-        qk, see `_expand`) -> (out [B, H, Q, qk] in q's dtype, lse float32 [B, H, Q])."""
+        qk by `_attend_prefill`) -> (out [B, H, Q, qk] in q's dtype, lse float32 [B, H, Q])."""
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=self.scale
         )
@@ -472,9 +472,10 @@ class MultiHeadLatentAttention(nn.Module):
         k, v = self._expand(context)  # [B, L, H, nope + rope], [B, L, H, v]
         q = torch.cat((q_nope, q_rope), dim=-1)  # [B, Q, H, nope + rope]
         if group.key_limits is not None and self._prefill_kernels(q) is not None:
+            mask = None if group.mask is None else group.mask[:, None]
             out, _ = self._attend_prefill(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group.key_limits,
-                group.causal, group.mask,
+                group.causal, mask,
             )  # fmt: skip
             return out.transpose(1, 2)  # [B, Q, H, v]
         if self.v_dim < q.shape[-1]:  # SDPA's fused kernels need equal head dims
