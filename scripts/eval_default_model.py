@@ -234,13 +234,13 @@ def model_card(r: dict, cfg) -> str:
         "",
         "Editing (whether the model repeats what it was shown, which prompt-lookup drafts "
         "bet on): on 200 of `mci bench serve`'s code-edit prompts (a held-out block, "
-        "`# Edited version:`, then the block again), its greedy token is right "
-        f"{r['edit_top1']['repetition']:.1%} of the time over the repetition and "
-        f"{r['edit_top1']['first_occurrence']:.1%} over the block's first occurrence: it "
-        "does not copy. Three short runs of editing practice on the whole model (1,520 steps in "
-        "all, up to 1,172 on one model; blocks of training code, and of random ids, shown "
-        "and then repeated) left it at 26-32% over the repetition; they are not part of the "
-        "shipped model.",
+        "`# Edited version:`, then the block again), its greedy token (given the true text "
+        f"before it) is right {r['edit_top1']['repetition']:.1%} of the time over the "
+        f"repetition and {r['edit_top1']['first_occurrence']:.1%} over the block's first "
+        "occurrence: it does not copy. Three short runs of editing practice on the whole model "
+        "(about 1,500 steps in all, up to 1,172 on one model; blocks of training code, and of "
+        "random ids, shown and then repeated) left it at 26-32% over the repetition; they are "
+        "not part of the shipped model.",
         "",
         f"FP8 vs bf16 on held-out text: logits relative L2 distance "
         f"{r['fp8_vs_bf16']['logits_relative_l2']:.3f}, top-1 agreement "
