@@ -28,14 +28,13 @@ from pathlib import Path
 
 import torch
 
-from mci.bench.serve import make_prompts
+from mci.bench.serve import EDIT_MARKER, make_prompts
 from mci.generate import generate
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.loader import load_model
 from mci.tokenizer import TextTokenizer
 from mci.tools.corpus import HELD_OUT, corpus_files
 
-EDIT_MARKER = "\n\n# Edited version:\n"  # as in mci.bench.serve's code-edit prompts
 NUM_EDITS = 200
 CHUNK, CONTEXT = 128, 128  # windows of <= 256 tokens: the length the model was trained on
 # Headers end before the newline: byte-level BPE merges "\n" with the next line's indentation,
@@ -233,14 +232,11 @@ def model_card(r: dict, cfg) -> str:
         f"{r['mtp_top1_agreement']:.1%} over {r['mtp_positions']:,} held-out positions.",
         "",
         "Editing (whether the model repeats what it was shown, which prompt-lookup drafts "
-        "bet on): on 200 of `mci bench serve`'s code-edit prompts (a held-out block, "
+        f"bet on): on {NUM_EDITS} of `mci bench serve`'s code-edit prompts (a held-out block, "
         "`# Edited version:`, then the block again), its greedy token (given the true text "
         f"before it) is right {r['edit_top1']['repetition']:.1%} of the time over the "
         f"repetition and {r['edit_top1']['first_occurrence']:.1%} over the block's first "
-        "occurrence: it does not copy. Three short runs of editing practice on the whole model "
-        "(about 1,500 steps in all, up to 1,172 on one model; blocks of training code, and of "
-        "random ids, shown and then repeated) left it at 26-32% over the repetition; they are "
-        "not part of the shipped model.",
+        "occurrence: it does not copy (docs/speculative.md: what that means for n-gram drafts).",
         "",
         f"FP8 vs bf16 on held-out text: logits relative L2 distance "
         f"{r['fp8_vs_bf16']['logits_relative_l2']:.3f}, top-1 agreement "

@@ -43,6 +43,7 @@ class RequestResult:
 
 
 DATASETS = ("random", "shared-prefix", "code", "code-edit")
+EDIT_MARKER = "\n\n# Edited version:\n"  # between a code-edit prompt's block and its restart
 CHARS_PER_TOKEN = 3  # code text, for sizing text prompts without the server's tokenizer
 
 
@@ -91,7 +92,7 @@ def _code_prompt(rng: random.Random, input_len: int, edit: bool) -> str:
     if not edit:
         return block
     first_line = block.split("\n", 1)[0]
-    return f"{block}\n\n# Edited version:\n{first_line}"
+    return f"{block}{EDIT_MARKER}{first_line}"
 
 
 async def _one(
