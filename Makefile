@@ -63,8 +63,8 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff format --check mci tests scripts benchmarks
 
 bench: $(VENV)/.installed
-	$(PY) scripts/bench_decode.py
-	$(PY) scripts/bench_offline.py
+	$(PY) benchmarks/bench_decode.py
+	$(PY) benchmarks/bench_offline.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

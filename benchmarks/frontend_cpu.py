@@ -72,8 +72,8 @@ def served(rounds: int) -> None:
 
 def in_process(rounds: int) -> None:
     from mci.core.sampling_params import SamplingParams
-    from mci.engine import Engine
-    from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement
+    from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement
+    from mci.engine.engine import Engine
 
     config = EngineConfig(model=ModelPlacement(model_path=CHECKPOINT), cache=CacheConfig())
     engine = Engine(config, background=True)

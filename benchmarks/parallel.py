@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from mci.core.sampling_params import SamplingParams
-from mci.engine import Engine
-from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement, ParallelConfig
+from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement, ParallelConfig
+from mci.engine.engine import Engine
 
 CKPT = Path(__file__).resolve().parent / ".peers" / "small-bf16"
 LAYOUTS = {

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from mci.core.sampling_params import SamplingParams
-from mci.engine import Engine
-from mci.engine_config import EngineConfig, ModelPlacement, SchedulerConfig
+from mci.engine.config import EngineConfig, ModelPlacement, SchedulerConfig
+from mci.engine.engine import Engine
 from mci.grammar.constraint import Constraint
 
 CKPT = Path(__file__).resolve().parent / ".peers" / "small-bf16"

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from mci.engine_config import (
+from mci.engine.config import (
     DEFAULT_MODEL,
     add_config_args,
     config_from_args,
@@ -55,12 +55,12 @@ def _non_negative_float(text: str) -> float:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from mci.core.sampling_params import SamplingParams
+    from mci.engine.request_front import RequestFront
     from mci.errors import InvalidParameter
-    from mci.generate import generate
     from mci.grammar.cache import xgrammar_cache
     from mci.grammar.healing import LeadingMatcher
     from mci.models.loader import load_model
-    from mci.request_front import RequestFront
+    from mci.runner.single_sequence import generate
     from mci.tokenizer import TextTokenizer
 
     start = time.perf_counter()
@@ -111,7 +111,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from mci.config import load_config
+    from mci.model_config import load_config
     from mci.plan import format_plan, make_plan, parse_gpus
 
     source = args.config or args.model_path
@@ -151,14 +151,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if server_config.dp_size < 1:
         raise UserError("--dp-size must be >= 1")
     if server_config.dp_size > 1:
-        from mci.server.data_parallel import serve_data_parallel
+        from mci.replicas.launch import serve_data_parallel
 
         return serve_data_parallel(config_from_args(args), server_config)
     return serve(config_from_args(args), server_config)
 
 
 def _cmd_serve_ray(args: argparse.Namespace) -> int:
-    from mci.engine_config import RayServeConfig
+    from mci.engine.config import RayServeConfig
     from mci.ray_serve.launch import serve_ray
 
     fields = dataclasses.fields(RayServeConfig)
@@ -167,7 +167,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from mci.engine_config import RouterConfig
+    from mci.engine.config import RouterConfig
     from mci.router.launch import run_router
 
     fields = dataclasses.fields(RouterConfig)
@@ -183,8 +183,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_run_batch(args: argparse.Namespace) -> int:
-    from mci.batch_api import run_batch
-    from mci.engine import Engine
+    from mci.engine.engine import Engine
+    from mci.server.batch_api import run_batch
 
     if not args.input_file.is_file():
         raise UserError(f"input file {args.input_file} does not exist")

@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from mci.core_builder import build_engine_core
-from mci.engine_config import EngineConfig
-from mci.engine_core import EngineCore
+from mci.engine.builder import build_engine_core
+from mci.engine.config import EngineConfig
+from mci.engine.core import EngineCore
+from mci.engine.dp_attention import DataParallelCore
+from mci.engine.ranks import load_sharded
+from mci.engine.request_front import RequestFront
+from mci.engine.sharded_model import ShardedModel
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.loader import load_model
-from mci.parallel.dp_engine import DataParallelCore
-from mci.parallel.launch import load_sharded
-from mci.parallel.rpc import ShardedModel
-from mci.request_front import RequestFront
 from mci.tokenizer import TextTokenizer
 
 log = logging.getLogger("mci")

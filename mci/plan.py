@@ -20,8 +20,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from mci.config import ModelConfig
 from mci.errors import UserError
+from mci.model_config import ModelConfig
 from mci.models.layout import TensorSpec, checkpoint_layout
 
 GPU_BYTES = {"H100": 80 * 10**9, "H200": 141 * 10**9, "B200": 180 * 10**9, "A100": 80 * 10**9}

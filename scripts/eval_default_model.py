@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from mci.bench.serve import EDIT_MARKER, make_prompts
-from mci.generate import generate
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.loader import load_model
+from mci.runner.single_sequence import generate
 from mci.tokenizer import TextTokenizer
 from mci.tools.corpus import HELD_OUT, corpus_files
 

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from mci.config import ModelConfig
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.layers.moe import TopKRouter
+from mci.model_config import ModelConfig
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.layout import checkpoint_layout
 from mci.models.loader import checkpoint_to_param, destination

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mci.config import load_config
+from mci.model_config import load_config
 from mci.tools.make_checkpoint import make_checkpoint, preset_config
 
 torch.set_num_threads(2)

@@ -6,8 +6,8 @@ import dataclasses
 
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
+from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
 from mci.engine_assembly import build_engine_core
-from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
 
 
 def make_scheduler(model, tokenizer, path, *, max_total_tokens=4096, radix=True, **sched):

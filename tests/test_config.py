@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mci.config import load_config, parse_config
 from mci.errors import ConfigError
+from mci.model_config import load_config, parse_config
 from mci.tools.make_checkpoint import YARN_EXAMPLE, preset_config
 
 

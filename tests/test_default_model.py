@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-from mci.engine_config import DEFAULT_MODEL
-from mci.generate import generate
+from mci.engine.config import DEFAULT_MODEL
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.loader import load_model
+from mci.runner.single_sequence import generate
 from mci.tokenizer import TextTokenizer
 from mci.tools.corpus import corpus_files
 

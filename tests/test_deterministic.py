@@ -11,8 +11,8 @@ from engine_helpers import drive
 
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
+from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
 from mci.engine_assembly import build_engine_core
-from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
 from mci.errors import UserError
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.loader import load_model
@@ -160,7 +160,7 @@ def test_deterministic_needs_bf16_on_the_cpu(checkpoint):
 def test_sglang_flag_spelling_is_accepted():
     import argparse
 
-    from mci.engine_config import add_config_args, config_from_args
+    from mci.engine.config import add_config_args, config_from_args
 
     parser = argparse.ArgumentParser()
     add_config_args(parser)

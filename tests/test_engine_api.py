@@ -8,10 +8,10 @@ import time
 import pytest
 
 from mci.core.sampling_params import SamplingParams
-from mci.detokenizer import IncrementalDetokenizer
-from mci.engine import Engine
-from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement
+from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement
+from mci.engine.engine import Engine
 from mci.errors import UserError
+from mci.scheduler.detokenizer import IncrementalDetokenizer
 from mci.tokenizer import TextTokenizer
 
 

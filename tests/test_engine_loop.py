@@ -7,8 +7,8 @@ import threading
 import time
 
 from mci.core.sampling_params import SamplingParams
-from mci.engine import Engine
-from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement
+from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement
+from mci.engine.engine import Engine
 
 
 def _config(path) -> EngineConfig:

@@ -9,8 +9,8 @@ from conftest import hf_greedy, load_hf_reference
 from engine_helpers import drive, greedy, make_scheduler
 
 from mci.core.request import Request
-from mci.generate import generate
 from mci.models.loader import load_model
+from mci.runner.single_sequence import generate
 from mci.tokenizer import TextTokenizer
 
 NUM_REQUESTS = 16

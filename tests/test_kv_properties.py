@@ -126,7 +126,7 @@ def test_radix_split_and_lru_eviction():
 
 def test_pool_sizing_from_tokens_gib_or_free_memory():
     from mci.cache.sizing import kv_pool_tokens
-    from mci.engine_config import CacheConfig
+    from mci.engine.config import CacheConfig
     from mci.errors import UserError
 
     cpu = torch.device("cpu")

@@ -9,15 +9,15 @@ import subprocess
 import sys
 
 from mci.core.sampling_params import SamplingParams
-from mci.engine import Engine
-from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement
+from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement
+from mci.engine.engine import Engine
 
 SCRIPT = """
 import json, sys
 assert False  # under -O this line does nothing
 from mci.core.sampling_params import SamplingParams
-from mci.engine import Engine
-from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
+from mci.engine.engine import Engine
+from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
 
 path, prompts = sys.argv[1], json.loads(sys.argv[2])
 engine = Engine(

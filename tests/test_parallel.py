@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from mci.core.sampling_params import SamplingParams
-from mci.engine import Engine
-from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement, ParallelConfig
+from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement, ParallelConfig
+from mci.engine.engine import Engine
 from mci.errors import UserError
 from mci.models.loader import load_model
 from mci.parallel.context import ParallelContext
@@ -91,7 +91,7 @@ def test_every_layout_matches_one_process(hf_checkpoint):
 def test_dp_attention_pools_the_ranks_kv_and_refuses_speculation(checkpoint):
     """Each rank sizes its own KV pool: the run holds the sum. Drafting would add forwards on
     some ranks only: refused."""
-    from mci.engine_config import SpeculativeConfig
+    from mci.engine.config import SpeculativeConfig
 
     layout = ParallelConfig(ep_size=2, enable_dp_attention=True)
     config = EngineConfig(
@@ -243,7 +243,7 @@ def test_served_stuck_rank_fails_after_the_collective_timeout(checkpoint):
 def test_mtp_speculation_under_tp2_is_lossless(checkpoint):
     """MTP drafting on a TP-2 run (the module sharded like a layer, its cache copy broadcast):
     greedy outputs identical to one process without speculation."""
-    from mci.engine_config import SpeculativeConfig
+    from mci.engine.config import SpeculativeConfig
 
     path = checkpoint()
     plain = _outputs(path, "float32", ParallelConfig())

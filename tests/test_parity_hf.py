@@ -7,8 +7,8 @@ import torch
 from conftest import hf_greedy, load_hf_reference
 from helpers import prefill_logits
 
-from mci.generate import generate
 from mci.models.loader import load_model
+from mci.runner.single_sequence import generate
 from mci.tools.make_checkpoint import YARN_EXAMPLE
 
 LOGIT_TOL = 1e-4

@@ -17,21 +17,21 @@ from engine_helpers import OracleDrafter, drive
 
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
-from mci.engine_assembly import build_engine_core
-from mci.engine_config import (
+from mci.engine.config import (
     CacheConfig,
     EngineConfig,
     ModelPlacement,
     SchedulerConfig,
     SpeculativeConfig,
 )
+from mci.engine_assembly import build_engine_core
 from mci.errors import UserError
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.loader import load_model
 from mci.runner.model_runner import ModelRunner
-from mci.spec.ngram import NgramDrafter
-from mci.spec.speculator import Speculator
-from mci.spec.verify import accepted_length
+from mci.speculative.ngram import NgramDrafter
+from mci.speculative.speculator import Speculator
+from mci.speculative.verify import accepted_length
 from mci.tokenizer import TextTokenizer
 
 
@@ -179,7 +179,7 @@ def test_bf16_deterministic_outputs_identical_with_speculation(checkpoint):
 def test_bundled_model_outputs_identical_with_speculation():
     """The bundled model (trained: its drafts get accepted) on code prompts, bf16 with
     deterministic inference: off, MTP k=1..3 and n-gram give the same text."""
-    from mci.engine_config import DEFAULT_MODEL
+    from mci.engine.config import DEFAULT_MODEL
 
     model = load_model(DEFAULT_MODEL, "bfloat16")
     tok = TextTokenizer.load(DEFAULT_MODEL)

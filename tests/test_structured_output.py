@@ -16,20 +16,20 @@ from hypothesis import strategies as st
 
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
-from mci.engine_assembly import build_engine_core
-from mci.engine_config import (
+from mci.engine.config import (
     CacheConfig,
     EngineConfig,
     ModelPlacement,
     SchedulerConfig,
     SpeculativeConfig,
 )
+from mci.engine_assembly import build_engine_core
 from mci.errors import InvalidParameter
 from mci.grammar.cache import xgrammar_cache
 from mci.grammar.constraint import Constraint
 from mci.models.loader import load_model
 from mci.runner.model_runner import ModelRunner
-from mci.spec.speculator import Speculator
+from mci.speculative.speculator import Speculator
 from mci.tokenizer import TextTokenizer
 
 

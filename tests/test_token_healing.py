@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mci.engine_config import DEFAULT_MODEL
+from mci.engine.config import DEFAULT_MODEL
 from mci.grammar.cache import xgrammar_cache
 from mci.grammar.healing import LeadingMatcher, heal_prompt, healing_constraint
 from mci.tokenizer import TextTokenizer

@@ -21,8 +21,8 @@ from tokenizers import AddedToken, Tokenizer, processors
 
 from mci.cli import DEFAULT_MODEL
 from mci.core.sampling_params import SamplingParams
-from mci.engine import Engine
-from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement
+from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement
+from mci.engine.engine import Engine
 from mci.tokenizer import TextTokenizer
 from mci.tools.bpe import ASSISTANT, BOS, CHAT_TEMPLATE, EOS, USER, train_bpe
 

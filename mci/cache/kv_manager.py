@@ -24,7 +24,7 @@ class KVCacheManager:
 
     `match_margin`: positions a prefix match leaves at its end, to be computed again by the
     request (MTP drafting needs the main model's state at the position before its first
-    computed one; see mci/spec/mtp.py)."""
+    computed one; see mci/speculative/mtp.py)."""
 
     def __init__(self, pool: SlotPool, radix: RadixCache | None, match_margin: int = 0):
         self.pool = pool

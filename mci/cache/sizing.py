@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mci.engine_config import CacheConfig
+from mci.engine.config import CacheConfig
 from mci.errors import UserError
 
 

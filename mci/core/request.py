@@ -86,7 +86,7 @@ class Request:
     # part of `token_ids`, never in the KV accounting until verified.
     draft_ids: list[int] = field(default_factory=list)
     # MTP drafting: the main model's state at the last computed position, whose MTP latent
-    # waits for the next position's slot (see mci/spec/mtp.py); dropped with the KV.
+    # waits for the next position's slot (see mci/speculative/mtp.py); dropped with the KV.
     mtp_pending: torch.Tensor | None = None
     # The tree's slot of the position a prefix match left to compute again (`match_margin`),
     # kept alive by the request's lock until its first step copies that slot's MTP latent.

@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mci.config import ModelConfig
-from mci.kernels import cpu_matvec
+from mci.kernels import cpu_kernels
 from mci.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from mci.layers.linear import (
     BATCH_INVARIANT_ROWS,
@@ -41,6 +40,7 @@ from mci.layers.linear import (
 )
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import apply_rope
+from mci.model_config import ModelConfig
 from mci.parallel.context import ParallelContext
 
 # Batch-invariant attention without the CPU kernels pads each group's keys to a multiple of
@@ -87,7 +87,7 @@ def choose_absorbed(cfg: ModelConfig, meta: AttentionMetadata | AttentionGroup) 
 
 @dataclass(frozen=True)
 class _OneCallWeights:
-    """A layer's weights as `cpu_matvec.MatvecLibrary.mla_decode` takes them (its MLAWeights)."""
+    """A layer's weights as `cpu_kernels.MatvecLibrary.mla_decode` takes them (its MLAWeights)."""
 
     norm: tuple[torch.Tensor, float]
     qkv_a: torch.Tensor
@@ -159,7 +159,7 @@ class MultiHeadLatentAttention(nn.Module):
         """x [N, H, a] @ weights [H, a, b] -> [N, H, b], one batched matmul over the heads, at
         bucketed row counts (or fixed ones: batch invariance). A few rows (decode) go through
         the CPU's skinny kernels instead, with the same weights laid out [H, b, a]
-        (`rows_major`): each head is one "expert" of mci/kernels/cpu_matvec.py."""
+        (`rows_major`): each head is one "expert" of mci/kernels/cpu_kernels.py."""
         n, h, a = x.shape
         matvec = None if self.fixed_rows is not None else self.kv_b_proj.skinny(n)
         if matvec is not None:
@@ -235,7 +235,7 @@ class MultiHeadLatentAttention(nn.Module):
         kv_cache: torch.Tensor,
         absorbed: tuple[bool, ...],
     ) -> torch.Tensor | None:
-        """x + self(norm(x)) in one call of the CPU kernels (cpu_matvec.mla_decode: the same
+        """x + self(norm(x)) in one call of the CPU kernels (cpu_kernels.mla_decode: the same
         steps as `forward`'s kernel path, so the same values, ~25 torch ops fewer) for a step
         that is one decode group of a few rows on one process; None when the step is not
         such a step (the caller runs the sublayer as usual)."""
@@ -252,7 +252,7 @@ class MultiHeadLatentAttention(nn.Module):
             or self.parallel.tp_size > 1
             or x.dtype != torch.float32
             or kv_cache.dtype != torch.bfloat16
-            or self.kv_lora_rank > cpu_matvec.MAX_LATENT
+            or self.kv_lora_rank > cpu_kernels.MAX_LATENT
             or norm.kernels is None
             or self.fused_qkv_a_proj.skinny(t) is None
             or self.o_proj.skinny(t) is None
@@ -295,7 +295,7 @@ class MultiHeadLatentAttention(nn.Module):
             and group.lengths is not None
             and matvec is not None
             and kv_cache.dtype == torch.bfloat16
-            and self.kv_lora_rank <= cpu_matvec.MAX_LATENT
+            and self.kv_lora_rank <= cpu_kernels.MAX_LATENT
         ):
             return self._absorbed_decode_in_cache(matvec, q_nope, q_rope, kv_cache, group)
         b, length = group.kv_slots.shape

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mci.kernels import cpu_matvec
+from mci.kernels import cpu_kernels
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -154,7 +154,7 @@ class Linear(nn.Module):
         weight = torch.empty(*lead, self.out_features, in_features, dtype=wdtype)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self._packed: list[torch.Tensor] | None = None  # oneDNN copy, per expert when stacked
-        self.matvec: cpu_matvec.MatvecLibrary | None = None  # skinny-matmul kernels (CPU)
+        self.matvec: cpu_kernels.MatvecLibrary | None = None  # skinny-matmul kernels (CPU)
         self.fixed_rows: int | None = None  # rows per call, for batch invariance (see above)
         if fp8_block is None:
             return
@@ -189,14 +189,14 @@ class Linear(nn.Module):
     def pack_for_cpu(self, skinny_kernels: bool = True) -> bool:
         """Keep a oneDNN-packed copy of a bf16 weight for `forward` (inference on the CPU;
         FP8 stays one byte per parameter). Costs one more copy of the weight. With
-        `skinny_kernels`, calls of a few rows use mci/kernels/cpu_matvec.py where it runs.
+        `skinny_kernels`, calls of a few rows use mci/kernels/cpu_kernels.py where it runs.
         Returns whether it packed."""
         w = self.weight
         if w.dtype != torch.bfloat16 or not can_pack(w):
             return False
         if self._packed is None:
             self._packed = [pack_weight(r) for r in ([w] if w.dim() == 2 else list(w))]
-        self.matvec = cpu_matvec.load() if skinny_kernels else None
+        self.matvec = cpu_kernels.load() if skinny_kernels else None
         return True
 
     def warm_up(self, max_rows: int) -> int:
@@ -217,11 +217,11 @@ class Linear(nn.Module):
         self.fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
 
     def skinny(self, rows: int, limit: int | None = None):
-        """The skinny-matmul kernels (a `cpu_matvec.MatvecLibrary`) when a call of `rows` rows
+        """The skinny-matmul kernels (a `cpu_kernels.MatvecLibrary`) when a call of `rows` rows
         should use them: packed for the CPU, at most `limit` rows (default
-        `cpu_matvec.MAX_ROWS`), and not batch-invariant (that mode keeps one kernel, oneDNN's,
+        `cpu_kernels.MAX_ROWS`), and not batch-invariant (that mode keeps one kernel, oneDNN's,
         for every row count); else None."""
-        limit = cpu_matvec.MAX_ROWS if limit is None else limit
+        limit = cpu_kernels.MAX_ROWS if limit is None else limit
         if self.matvec is None or self.fixed_rows is not None or rows > limit:
             return None
         return self.matvec

@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mci.config import ModelConfig
-from mci.kernels import cpu_matvec
+from mci.kernels import cpu_kernels
 from mci.layers.linear import (
     BATCH_INVARIANT_ROWS,
     Linear,
@@ -27,6 +26,7 @@ from mci.layers.linear import (
     packed_linear,
 )
 from mci.layers.mlp import GatedMLP
+from mci.model_config import ModelConfig
 from mci.parallel.context import ParallelContext
 from mci.parallel.dispatch import dispatch
 
@@ -92,7 +92,7 @@ class RoutedExperts(nn.Module):
     * looped: one matmul pair per *active* expert (never per token) — reads only the weights
       of the experts in use, the right choice when few are (a decode step of a few requests);
     * skinny: the loop's work in two calls of the CPU kernels (mci/kernels/), when no
-      active expert has more than `cpu_matvec.EXPERT_MAX_ROWS` tokens (decode steps of up
+      active expert has more than `cpu_kernels.EXPERT_MAX_ROWS` tokens (decode steps of up
       to ~48 requests); taken first wherever it runs;
     * grouped: every expert's tokens padded to a common count and run as two batched matmuls
       over all experts — two calls instead of two per expert, the right choice when most
@@ -145,7 +145,7 @@ class RoutedExperts(nn.Module):
         self.single_process = parallel.world_size == 1
 
     def pack_for_cpu(self, kernels) -> None:
-        """With the CPU kernels (a `cpu_matvec.MatvecLibrary`, or None), keep AMX-packed
+        """With the CPU kernels (a `cpu_kernels.MatvecLibrary`, or None), keep AMX-packed
         copies of the experts' weights where the AMX kernels run (one more copy of them)."""
         self.amx = None
         if kernels is None or not kernels.amx or not self.single_process:
@@ -175,7 +175,7 @@ class RoutedExperts(nn.Module):
         counts_list = counts.tolist()
         if not order.numel():
             return x.new_zeros(x.shape, dtype=torch.float32)
-        matvec = self.gate_up_proj.skinny(max(counts_list), cpu_matvec.EXPERT_MAX_ROWS)
+        matvec = self.gate_up_proj.skinny(max(counts_list), cpu_kernels.EXPERT_MAX_ROWS)
         if matvec is not None:
             sorted_weights = weights.flatten()[order]
             return self._skinny(matvec, x_sorted, counts_list, token_idx, sorted_weights, len(x))
@@ -208,7 +208,7 @@ class RoutedExperts(nn.Module):
         return out_sorted
 
     def _skinny(self, matvec, x_sorted, counts, token_idx, sorted_weights, num_tokens: int):
-        """The loop's result in two kernel calls (mci/kernels/cpu_matvec.py): every active
+        """The loop's result in two kernel calls (mci/kernels/cpu_kernels.py): every active
         expert's few rows, each call reading only the active experts' weights; the second also
         weights and sums the outputs per token, as `forward` does for the other paths (the
         same float32 operations in the same order). -> float32 [T, H]."""
@@ -261,7 +261,7 @@ class MoE(nn.Module):
     On one process with the CPU kernels, the whole block after the router's matmul is one call
     (mci/kernels/cpu_moe.c: the same operations as below, about 45 small torch ops fewer per
     layer): its experts on the skinny kernels when none gets more than
-    `cpu_matvec.EXPERT_MAX_ROWS` tokens, else on AMX tiles (prefill chunks; the shared experts
+    `cpu_kernels.EXPERT_MAX_ROWS` tokens, else on AMX tiles (prefill chunks; the shared experts
     then run below as usual). Without AMX such a step falls back to the paths below, fed the
     routing the call computed.
 
@@ -296,7 +296,7 @@ class MoE(nn.Module):
         if (
             matvec is None
             or self.parallel.world_size > 1
-            or (x.shape[0] > cpu_matvec.MAX_ROWS and self.experts.amx is None)
+            or (x.shape[0] > cpu_kernels.MAX_ROWS and self.experts.amx is None)
             or x.dtype != torch.float32
             or self.gate.batch_invariant  # the gate's own kernel, row by row
         ):
@@ -326,7 +326,7 @@ class MoE(nn.Module):
                 (self.experts.gate_up_proj.weight, self.experts.down_proj.weight),
                 self.experts.amx,
                 (shared.gate_up_proj.weight, shared.down_proj.weight) if in_call else None,
-                cpu_matvec.EXPERT_MAX_ROWS,
+                cpu_kernels.EXPERT_MAX_ROWS,
             )
             if out is not None:
                 return out if shared is None or in_call else out + shared(x.to(self.dtype))

@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
-        self.kernels = None  # mci/kernels/cpu_matvec.py's library: the same steps in one pass
+        self.kernels = None  # mci/kernels/cpu_kernels.py's library: the same steps in one pass
 
     def use_kernels(self, kernels) -> bool:
         """Run through the CPU kernels' one-pass RMSNorm (a bf16 weight on the CPU; the eager

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from mci.config import RopeConfig, yarn_mscale
+from mci.model_config import RopeConfig, yarn_mscale
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mci.config import ModelConfig
 from mci.layers.attention import MultiHeadLatentAttention
 from mci.layers.mlp import GatedMLP
 from mci.layers.moe import MoE
 from mci.layers.norm import RMSNorm
+from mci.model_config import ModelConfig
 from mci.parallel.context import ParallelContext
 
 

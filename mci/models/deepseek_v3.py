@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mci.config import ModelConfig
-from mci.kernels import cpu_matvec
+from mci.kernels import cpu_kernels
 from mci.layers.attention import (
     ATTENTION_KEY_MULTIPLE,
     CASCADE_MIN_PREFIX,
@@ -29,6 +28,7 @@ from mci.layers.linear import Linear
 from mci.layers.moe import MoE, RoutedExperts, TopKRouter
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import RotaryEmbedding
+from mci.model_config import ModelConfig
 from mci.models.decoder_layer import DecoderLayer
 from mci.models.mtp import MTPLayer
 from mci.parallel.context import ParallelContext
@@ -76,7 +76,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(cfg, dtype, parallel) for _ in range(num_mtp))
         self.batch_invariant = False  # see `set_batch_invariant`
         self.skinny_kernels = True  # `pack_for_cpu`'s choice, kept by `set_batch_invariant`
-        self.cpu_kernels: cpu_matvec.MatvecLibrary | None = None  # mci/kernels/, where they run
+        self.cpu_kernels: cpu_kernels.MatvecLibrary | None = None  # mci/kernels/, where they run
 
     @property
     def num_cache_layers(self) -> int:
@@ -92,7 +92,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         packed = sum(
             m.pack_for_cpu(skinny_kernels) for m in self.modules() if isinstance(m, Linear)
         )
-        kernels = cpu_matvec.load() if skinny_kernels and packed else None
+        kernels = cpu_kernels.load() if skinny_kernels and packed else None
         self.cpu_kernels = kernels
         for module in self.modules():
             if isinstance(module, RMSNorm):

@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from mci.config import ModelConfig
+from mci.model_config import ModelConfig
 
 # safetensors dtype names and their sizes in bytes.
 DTYPE_BYTES = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4}

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mci.config import ModelConfig, load_config
 from mci.errors import CheckpointError, UserError
+from mci.model_config import ModelConfig, load_config
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.layout import checkpoint_layout, mtp_prefixes
 from mci.parallel.context import ParallelContext

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mci.config import ModelConfig
 from mci.layers.embedding import VocabEmbedding, VocabHead
 from mci.layers.linear import make_linear
 from mci.layers.norm import RMSNorm
+from mci.model_config import ModelConfig
 from mci.models.decoder_layer import DecoderLayer
 from mci.parallel.context import ParallelContext
 

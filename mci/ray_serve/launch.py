@@ -14,7 +14,7 @@ import logging
 import signal
 import threading
 
-from mci.engine_config import EngineConfig, RayServeConfig, RouterConfig, ServerConfig
+from mci.engine.config import EngineConfig, RayServeConfig, RouterConfig, ServerConfig
 from mci.errors import UserError
 
 log = logging.getLogger("mci")

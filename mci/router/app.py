@@ -21,7 +21,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mci.engine_config import RouterConfig
+from mci.engine.config import RouterConfig
 from mci.router.metrics import RouterMetrics
 from mci.router.policy import make_policy
 from mci.router.resume import StreamRelay

@@ -7,7 +7,7 @@ import logging
 
 import uvicorn
 
-from mci.engine_config import RouterConfig
+from mci.engine.config import RouterConfig
 from mci.errors import UserError
 from mci.router.app import Router, build_router_app
 

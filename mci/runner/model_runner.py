@@ -13,8 +13,8 @@ from mci.core.batch import SampleResult, ScheduledBatch
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.runner.sampler import SampleRow, sample, score_prompts
-from mci.spec.speculator import Speculator
-from mci.spec.verify import accepted_length
+from mci.speculative.speculator import Speculator
+from mci.speculative.verify import accepted_length
 
 
 class ModelRunner:
@@ -23,8 +23,8 @@ class ModelRunner:
 
     Reads each item's request (token ids, slots, sampling state); writes nothing but the KV
     cache, the requests' generators and, when drafting with MTP, their pending MTP state
-    (`Request.mtp_pending`, see mci/spec/mtp.py). `eos_ids` feed the min-tokens rule of the
-    sampler. With a `speculator`, each step also drafts tokens for the next one (mci/spec/).
+    (`Request.mtp_pending`, see mci/speculative/mtp.py). `eos_ids` feed the min-tokens rule of the
+    sampler. With a `speculator`, each step also drafts tokens for the next one (mci/speculative/).
     """
 
     def __init__(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request, RequestStatus
-from mci.detokenizer import IncrementalDetokenizer
+from mci.scheduler.detokenizer import IncrementalDetokenizer
 from mci.tokenizer import TextTokenizer
 
 log = logging.getLogger("mci")

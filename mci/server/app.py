@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from mci import __version__
 from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
-from mci.server import protocol
+from mci.server import requests as protocol
 from mci.server.errors import RETRY_AFTER_S, HTTPError, install_error_handlers
 from mci.server.guard import GuardMiddleware
 from mci.server.openai_types import (

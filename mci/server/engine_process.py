@@ -1,7 +1,7 @@
 """The engine process: scheduler and model in the main thread of their own process.
 
 The HTTP front end never runs model code, so request parsing and streaming never stall a
-step, and the model loop keeps torch's thread pool on the main thread (see mci.engine). The
+step, and the model loop keeps torch's thread pool on the main thread (see mci.engine.engine). The
 same `EngineLoop` as the in-process engine drives it; its commands come from the pipe
 (`PipeInbox`, messages in `server/messages.py`) and its outputs go back in batches.
 
@@ -18,9 +18,9 @@ import time
 from multiprocessing.connection import Connection
 
 from mci.core.outputs import RequestOutput
-from mci.engine_assembly import EngineParts, assemble
-from mci.engine_config import EngineConfig
-from mci.engine_loop import (
+from mci.engine import commands as messages
+from mci.engine.config import EngineConfig
+from mci.engine.loop import (
     IDLE_WAIT_S,
     AbortRequest,
     AddRequests,
@@ -28,10 +28,10 @@ from mci.engine_loop import (
     Command,
     EngineLoop,
 )
+from mci.engine.request_front import sample_ids
+from mci.engine_assembly import EngineParts, assemble
 from mci.errors import EngineBroken, UserError
-from mci.heap import freeze_startup_objects
-from mci.request_front import sample_ids
-from mci.server import messages
+from mci.process_tuning import freeze_startup_objects
 
 log = logging.getLogger("mci")
 HEARTBEAT_S = 0.5  # the longest silence of a live engine loop between steps

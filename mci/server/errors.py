@@ -53,7 +53,7 @@ def error_response(exc: HTTPError) -> Response:
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error of `app` with an OpenAI error body."""
     # imported here: protocol imports the tokenizer and engine types, errors must stay light
-    from mci.server.protocol import from_validation_errors
+    from mci.server.requests import from_validation_errors
 
     def invalid(exc: InvalidParameter) -> Response:
         return error_response(

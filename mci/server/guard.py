@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 
-from mci.engine_config import ServerConfig
+from mci.engine.config import ServerConfig
 from mci.server.errors import HTTPError, error_body
 
 # probes and the API's own description need no API key

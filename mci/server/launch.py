@@ -15,12 +15,12 @@ from pathlib import Path
 
 import uvicorn
 
-from mci.config import load_config
-from mci.engine_config import EngineConfig, ServerConfig
+from mci.engine.config import EngineConfig, ServerConfig
 from mci.errors import UserError
-from mci.heap import freeze_startup_objects
+from mci.model_config import load_config
+from mci.process_tuning import freeze_startup_objects
 from mci.server.app import build_app
-from mci.server.engine_client import EngineClient
+from mci.server.engine_supervisor import EngineClient
 from mci.server.state import ServerState
 from mci.tokenizer import TextTokenizer
 
@@ -58,11 +58,11 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     if not path.is_dir():
         raise UserError(f"model directory {path} does not exist")
     if engine_config.parallel.node_rank > 0:  # a multi-node run's other machines compute only
-        from mci.parallel.launch import run_follower_node
+        from mci.engine.ranks import run_follower_node
 
         return run_follower_node(engine_config)
     if server_config.dp_size != 1:
-        raise UserError("--dp-size N > 1 is served by mci.server.data_parallel (mci serve)")
+        raise UserError("--dp-size N > 1 is served by mci.replicas.launch (mci serve)")
     model_config = load_config(path)
     tokenizer = TextTokenizer.load(path)
     if server_config.context_length is not None and not (

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mci.config import ModelConfig
-from mci.engine_config import ServerConfig
+from mci.engine.config import ServerConfig
+from mci.engine.request_front import RequestFront
 from mci.grammar.cache import xgrammar_cache
-from mci.request_front import RequestFront
-from mci.server.engine_client import EngineClient
+from mci.model_config import ModelConfig
+from mci.server.engine_supervisor import EngineClient
 from mci.server.metrics import ServerMetrics
 from mci.server.reasoning import END as THINK_END
 from mci.server.tool_formats import DeepSeekV3Markup, JsonEnvelope, tool_format_for

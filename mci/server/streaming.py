@@ -17,8 +17,8 @@ from fastapi.responses import StreamingResponse
 
 from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
-from mci.server import protocol
-from mci.server.engine_client import ENGINE_DEATH_ERRORS
+from mci.server import requests as protocol
+from mci.server.engine_supervisor import ENGINE_DEATH_ERRORS
 from mci.server.errors import error_body
 from mci.server.reasoning import ReasoningStream
 from mci.server.state import ServerState

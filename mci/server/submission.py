@@ -11,7 +11,7 @@ from fastapi import Request
 from mci.core.outputs import QUEUE_TIMEOUT, REQUEST_TIMEOUT, RequestOutput
 from mci.core.request import Resume
 from mci.core.sampling_params import SamplingParams
-from mci.server.engine_client import EngineDied
+from mci.server.engine_supervisor import EngineDied
 from mci.server.errors import RETRY_AFTER_S, HTTPError
 from mci.server.state import ServerState
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mci.config import Fp8Config, ModelConfig, RopeConfig
 from mci.layers.linear import quantize_fp8_blocks
+from mci.model_config import Fp8Config, ModelConfig, RopeConfig
 from mci.models.layout import checkpoint_layout
 from mci.tools.bpe import stdlib_corpus, train_bpe, write_tokenizer
 

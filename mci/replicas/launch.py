@@ -7,9 +7,9 @@ import dataclasses
 import os
 import time
 
-from mci.engine_config import EngineConfig, RouterConfig, ServerConfig
+from mci.engine.config import EngineConfig, RouterConfig, ServerConfig
+from mci.replicas.replica_process import ReplicaProcess
 from mci.router.launch import run_router
-from mci.server.replica_process import ReplicaProcess
 
 REPLICA_START_S = 600.0
 

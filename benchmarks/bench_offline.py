@@ -5,7 +5,7 @@
 2. shared-prefix: N requests sharing a long prefix plus a few unique tokens: radix cache on vs
    off — mean time to first token and total time.
 
-    python scripts/bench_offline.py [--which throughput,shared-prefix] [--dtype float32]
+    python benchmarks/bench_offline.py [--which throughput,shared-prefix] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 from bench_common import load_hf, small_checkpoint
 
 from mci.core.sampling_params import SamplingParams
-from mci.engine import Engine
-from mci.engine_config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
+from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
+from mci.engine.engine import Engine
 from mci.models.loader import load_model
 from mci.tokenizer import TextTokenizer
 

@@ -45,10 +45,10 @@ from collections import deque
 from mci.core.outputs import QUEUE_TIMEOUT, RequestOutput
 from mci.core.request import Resume
 from mci.core.sampling_params import SamplingParams
-from mci.engine_config import EngineConfig
+from mci.engine import commands as messages
+from mci.engine.config import EngineConfig
+from mci.engine.request_front import sample_ids
 from mci.errors import UserError
-from mci.request_front import sample_ids
-from mci.server import messages
 from mci.server.engine_process import engine_main
 
 log = logging.getLogger("mci")

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
-from mci.engine_assembly import assemble
-from mci.engine_config import EngineConfig
-from mci.engine_loop import (
+from mci.engine.config import EngineConfig
+from mci.engine.loop import (
     AbortRequest,
     AddRequests,
     CallBetweenSteps,
@@ -32,6 +31,7 @@ from mci.engine_loop import (
     QueueInbox,
     Sink,
 )
+from mci.engine_assembly import assemble
 from mci.errors import EngineBroken, UserError
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.tokenizer import TextTokenizer

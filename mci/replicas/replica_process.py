@@ -21,7 +21,7 @@ import time
 
 import httpx
 
-from mci.engine_config import EngineConfig, ServerConfig
+from mci.engine.config import EngineConfig, ServerConfig
 from mci.errors import UserError
 
 log = logging.getLogger("mci")

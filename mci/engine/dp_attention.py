@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request
-from mci.engine_core import EngineCore
+from mci.engine.core import EngineCore
 from mci.errors import EngineBroken
 from mci.parallel.context import ParallelContext
 

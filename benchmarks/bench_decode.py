@@ -4,7 +4,7 @@ Both run the same seeded `small` checkpoint, same prompt, same dtype, same threa
 EOS ignored, alternating rounds so machine drift hits both alike. Reported: median decode
 ms/token and tokens/s of each, and the ratio. Usage:
 
-    python scripts/bench_decode.py [--dtype float32] [--prompt-len 32] [--new-tokens 128]
+    python benchmarks/bench_decode.py [--dtype float32] [--prompt-len 32] [--new-tokens 128]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from bench_common import load_hf, small_checkpoint
 
-from mci.generate import generate
 from mci.models.loader import load_model
+from mci.runner.single_sequence import generate
 
 
 def hf_decode_ms(model, ids: list[int], new_tokens: int) -> float:

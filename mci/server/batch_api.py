@@ -17,9 +17,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from mci.core.outputs import RequestOutput
-from mci.engine import Engine
+from mci.engine.engine import Engine
 from mci.errors import UserError
-from mci.server import protocol
+from mci.server import requests as protocol
 from mci.server.openai_types import ChatCompletionRequest, CompletionRequest
 
 URLS = ("/v1/completions", "/v1/chat/completions")

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request
-from mci.engine_core import EngineCore
+from mci.engine.core import EngineCore
 from mci.errors import EngineBroken
 
 log = logging.getLogger("mci")

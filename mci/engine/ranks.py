@@ -22,15 +22,15 @@ import sys
 import torch
 import torch.distributed as dist
 
-from mci.core_builder import build_engine_core
-from mci.engine_config import EngineConfig, ParallelConfig
+from mci.engine.builder import build_engine_core
+from mci.engine.config import EngineConfig, ParallelConfig
+from mci.engine.dp_attention import follow_rounds
+from mci.engine.sharded_model import ShardedModel, follow
 from mci.errors import UserError
 from mci.loopback import free_loopback_port
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.loader import load_model
 from mci.parallel.context import ParallelContext, init_process_group
-from mci.parallel.dp_engine import follow_rounds
-from mci.parallel.rpc import ShardedModel, follow
 from mci.tokenizer import TextTokenizer
 
 log = logging.getLogger("mci")

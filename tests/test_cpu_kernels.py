@@ -1,4 +1,4 @@
-"""The skinny-row bf16 kernels (mci/kernels/cpu_matvec.py): exact sums rounded once, rows
+"""The skinny-row bf16 kernels (mci/kernels/cpu_kernels.py): exact sums rounded once, rows
 independent of each other, experts and heads as segments, and a model using them stays with
 the oneDNN model."""
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 from helpers import stepwise_logits
 
-from mci.kernels import cpu_matvec
+from mci.kernels import cpu_kernels
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.layers.mlp import GatedMLP
 from mci.layers.moe import MoE
 from mci.models.loader import load_model
 
-matvec = cpu_matvec.load()
+matvec = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(matvec is None, reason="no AVX512-BF16 CPU or no C compiler")
 
 
@@ -90,7 +90,7 @@ def test_latent_decode_attention_reads_the_cache_through_slots():
             q[b : b + 1], cache, slots[b : b + 1], lengths[b : b + 1], c, scale
         )
         assert torch.equal(alone[0], out[b])
-    wide = cpu_matvec.MAX_LATENT + 16  # past the kernel's buffers: refused, never overrun
+    wide = cpu_kernels.MAX_LATENT + 16  # past the kernel's buffers: refused, never overrun
     big = torch.zeros(4, wide + 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="value_dim"):
         matvec.latent_decode_attention(
@@ -183,7 +183,7 @@ def test_prefill_attention_is_a_float32_softmax_rounded_once(
     ref = scores.softmax(-1) @ vs.double()
     assert (out.double() - ref).abs().max() < 0.02  # P and the output each rounded to bf16
     assert (lse.double() - scores.logsumexp(-1)).abs().max() < 1e-5
-    monkeypatch.setattr(cpu_matvec, "PREFILL_PROBS_BYTES", 1)  # chunks of 8 query rows
+    monkeypatch.setattr(cpu_kernels, "PREFILL_PROBS_BYTES", 1)  # chunks of 8 query rows
     chunked, chunked_lse = matvec.prefill_attention(qs, ks, vs, limits, scale)
     assert (chunked.double() - ref).abs().max() < 0.02
     assert torch.equal(chunked_lse, lse)  # the kernel's rows: the same bits
@@ -388,9 +388,9 @@ def test_prefill_sized_moe_on_amx_stays_with_the_grouped_path(checkpoint):
 
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("MCI_CPU_MATVEC", "0")
-    cpu_matvec.load.cache_clear()
+    cpu_kernels.load.cache_clear()
     try:
-        assert cpu_matvec.load() is None
+        assert cpu_kernels.load() is None
     finally:
         monkeypatch.delenv("MCI_CPU_MATVEC")
-        cpu_matvec.load.cache_clear()
+        cpu_kernels.load.cache_clear()

@@ -15,17 +15,17 @@ from mci.cache.radix_cache import RadixCache
 from mci.cache.sizing import kv_pool_tokens
 from mci.cache.slot_pool import SlotPool
 from mci.cpu_allocator import keep_freed_memory
-from mci.engine_config import EngineConfig
-from mci.engine_core import EngineCore
+from mci.engine.config import EngineConfig
+from mci.engine.core import EngineCore
 from mci.errors import UserError
 from mci.grammar.cache import xgrammar_cache
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.runner.model_runner import ModelRunner
 from mci.scheduler.output_processor import OutputProcessor
 from mci.scheduler.scheduler import Scheduler
-from mci.spec.mtp import MTPDrafter
-from mci.spec.ngram import NgramDrafter
-from mci.spec.speculator import Speculator
+from mci.speculative.mtp import MTPDrafter
+from mci.speculative.ngram import NgramDrafter
+from mci.speculative.speculator import Speculator
 from mci.tokenizer import TextTokenizer
 
 log = logging.getLogger("mci")
@@ -61,12 +61,12 @@ def build_engine_core(
         num_slots * per_token / 1e6,
         "off" if radix is None else "on",
     )
-    # MTP latents need a matched prefix's last position computed again (see mci/spec/mtp.py)
+    # MTP latents need a matched prefix's last position computed again (see mci/speculative/mtp.py)
     kv = KVCacheManager(pool, radix, match_margin=1 if with_mtp else 0)
     outputs = OutputProcessor(tokenizer, eos_ids, config.scheduler.enable_jump_forward)
     scheduler = Scheduler(config.scheduler, kv, outputs)
     # Chained MTP drafts write latents of unverified positions: to scratch slots after the
-    # pool's, a row of num_steps per request that can share a step (see mci/spec/mtp.py).
+    # pool's, a row of num_steps per request that can share a step (see mci/speculative/mtp.py).
     scratch_cols = spec.num_steps if with_mtp else 0
     num_scratch = config.scheduler.max_running_requests * scratch_cols
     kv_cache = model.allocate_kv_cache(num_slots + num_scratch, device, with_mtp)

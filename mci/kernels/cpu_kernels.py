@@ -104,7 +104,7 @@ def load() -> MatvecLibrary | None:
     code = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
     digest = hashlib.sha256(code + " ".join(FLAGS).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = cache / "mci" / "kernels" / f"cpu_matvec-{digest}.so"
+    target = cache / "mci" / "kernels" / f"cpu_kernels-{digest}.so"
     try:
         if not target.exists():
             _build(target)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mci.errors import UserError
 
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "default-model"
+DEFAULT_MODEL = Path(__file__).parent.parent / "assets" / "default-model"
 
 
 def _opt(default, help: str, choices=None, aliases: tuple[str, ...] = ()):
