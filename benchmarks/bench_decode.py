@@ -20,7 +20,7 @@ import torch
 from bench_common import load_hf, small_checkpoint
 
 from mci.models.loader import load_model
-from mci.runner.single_sequence import generate
+from mci.runner.single_sequence import decode_single_sequence
 
 
 def hf_decode_ms(model, ids: list[int], new_tokens: int) -> float:
@@ -61,11 +61,11 @@ def main() -> int:
         10, ours.cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)
     ).tolist()
 
-    generate(ours, ids, 8)  # warm-up both
+    decode_single_sequence(ours, ids, 8)  # warm-up both
     hf_decode_ms(hf, ids, 4)
     mci_ms, hf_ms = [], []
     for _ in range(args.rounds):
-        r = generate(ours, ids, args.new_tokens)
+        r = decode_single_sequence(ours, ids, args.new_tokens)
         mci_ms.append(r.decode_seconds / (len(r.token_ids) - 1) * 1000)
         hf_ms.append(hf_decode_ms(hf, ids, args.new_tokens))
     m, h = statistics.median(mci_ms), statistics.median(hf_ms)

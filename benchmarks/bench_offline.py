@@ -21,10 +21,12 @@ from pathlib import Path
 import torch
 from bench_common import load_hf, small_checkpoint
 
+from mci.cache.config import CacheConfig
 from mci.core.sampling_params import SamplingParams
-from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
+from mci.engine.config import EngineConfig, ModelPlacement
 from mci.engine.engine import Engine
 from mci.models.loader import load_model
+from mci.scheduler.config import SchedulerConfig
 from mci.tokenizer import TextTokenizer
 
 

@@ -71,8 +71,9 @@ def served(rounds: int) -> None:
 
 
 def in_process(rounds: int) -> None:
+    from mci.cache.config import CacheConfig
     from mci.core.sampling_params import SamplingParams
-    from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement
+    from mci.engine.config import EngineConfig, ModelPlacement
     from mci.engine.engine import Engine
 
     config = EngineConfig(model=ModelPlacement(model_path=CHECKPOINT), cache=CacheConfig())

@@ -25,9 +25,11 @@ from pathlib import Path
 
 import torch
 
+from mci.cache.config import CacheConfig
 from mci.core.sampling_params import SamplingParams
-from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement, ParallelConfig
+from mci.engine.config import EngineConfig, ModelPlacement
 from mci.engine.engine import Engine
+from mci.parallel.config import ParallelConfig
 
 CKPT = Path(__file__).resolve().parent / ".peers" / "small-bf16"
 LAYOUTS = {

@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 from mci.core.sampling_params import SamplingParams
-from mci.engine.config import EngineConfig, ModelPlacement, SchedulerConfig
+from mci.engine.config import EngineConfig, ModelPlacement
 from mci.engine.engine import Engine
 from mci.grammar.constraint import Constraint
+from mci.scheduler.config import SchedulerConfig
 
 CKPT = Path(__file__).resolve().parent / ".peers" / "small-bf16"
 NESTED = {

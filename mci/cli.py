@@ -1,7 +1,10 @@
-"""The `mci` command line: `generate`, `plan`, `make-checkpoint`.
+"""The `mci` command line: `serve`, `serve-ray`, `router`, `generate`, `run-batch`, `bench serve`,
+`plan`, `make-checkpoint`.
 
-User mistakes (bad flags, missing or broken checkpoints) print one line, `mci: error: ...`, and
-exit with code 2; no traceback. Flag names follow SGLang/vLLM where the meaning is the same.
+Each command's flags come from the config sections it takes (`config_fields.add_flags`), so
+no flag is written twice. User mistakes (bad flags, missing or broken checkpoints) print one
+line, `mci: error: ...`, and exit with code 2; no traceback. Flag names follow SGLang/vLLM
+where the meaning is the same.
 """
 
 from __future__ import annotations
@@ -10,16 +13,16 @@ import argparse
 import dataclasses
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 
-from mci.engine.config import (
-    DEFAULT_MODEL,
-    add_config_args,
-    config_from_args,
-    server_config_from_args,
-)
+from mci.config_fields import add_flags, from_args
+from mci.engine.config import DEFAULT_MODEL, add_engine_flags, engine_config_from_args
 from mci.errors import UserError
+from mci.ray_serve.config import RayServeConfig
+from mci.router.config import RouterConfig
+from mci.server.config import ServerConfig
 
 __all__ = ["DEFAULT_MODEL", "main"]
 
@@ -53,58 +56,80 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+GENERATE_SECTIONS = ("model", "speculative")  # the engine flags `mci generate` takes
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
+    """One prompt through the engine the server runs (`Engine`, driven on this thread), sized
+    for it: one running request, a prefill budget and a KV pool of what the prompt needs."""
+    from mci.cache.config import CacheConfig
     from mci.core.sampling_params import SamplingParams
-    from mci.engine.request_front import RequestFront
+    from mci.engine.engine import Engine
     from mci.errors import InvalidParameter
-    from mci.grammar.cache import xgrammar_cache
-    from mci.grammar.healing import LeadingMatcher
-    from mci.models.loader import load_model
-    from mci.runner.single_sequence import generate
+    from mci.scheduler.config import SchedulerConfig
     from mci.tokenizer import TextTokenizer
 
+    logging.getLogger("mci").setLevel(logging.WARNING)  # the engine's start-up log is a server's
+    config = engine_config_from_args(args, GENERATE_SECTIONS)
+    path = Path(config.model.model_path)
+    if not path.is_dir():
+        raise UserError(f"model directory {path} does not exist")
     start = time.perf_counter()
-    model = load_model(args.model_path, args.dtype, args.device)
-    tokenizer = TextTokenizer.load(args.model_path)
-    load_s = time.perf_counter() - start
+    tokenizer = TextTokenizer.load(path)
     if args.chat:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tokenizer.encode(args.prompt)
-    grammar = xgrammar_cache(tokenizer, model.cfg.vocab_size, tuple(model.cfg.eos_token_ids))
-    front = RequestFront(
-        tokenizer, model.cfg.vocab_size, model.cfg.max_position_embeddings, grammar
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
     )
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    # room for the prompt, its output, the drafts of a step and the admission reserve
+    scheduler = SchedulerConfig(max_running_requests=1, max_prefill_tokens=len(prompt_ids) or 1)
+    need = len(prompt_ids) + args.max_new_tokens + config.speculative.num_steps
+    cache = CacheConfig(max_total_tokens=need + scheduler.decode_reserve_tokens + 1)
+    config = dataclasses.replace(config, scheduler=scheduler, cache=cache)
+    engine = Engine(config, tokenizer=tokenizer, background=False)
     try:
-        if args.token_healing:
-            prompt_ids, params = front.heal(prompt_ids, params)
-        front.check(prompt_ids, params)
-    except InvalidParameter as exc:
-        raise exc.renamed({"max_new_tokens": "--max-new-tokens"}) from None
-    state = None
-    if params.constraint is not None:
-        state = grammar.state(params.constraint, lambda matcher, _: LeadingMatcher(matcher))
-        grammar.compile_now(params.constraint)
-        state.ready()
-    stops = () if args.ignore_eos else tuple(model.cfg.eos_token_ids)
-    result = generate(
-        model,
-        prompt_ids,
-        args.max_new_tokens,
-        args.temperature,
-        args.seed,
-        args.top_p,
-        args.top_k,
-        stops,
-        grammar=state,
-    )
-    text = tokenizer.decode(result.token_ids).removeprefix(params.healed_text)
-    print(args.prompt + text, flush=True)
+        load_s = time.perf_counter() - start
+        try:
+            if args.token_healing:
+                prompt_ids, params = engine.front.heal(prompt_ids, params)
+            command = engine.command("generate", prompt_ids, params)
+        except InvalidParameter as exc:
+            raise exc.renamed({"max_new_tokens": "--max-new-tokens"}) from None
+        token_times: list[float] = []
+        final: list = []
+        done = threading.Condition()
+
+        def sink(out) -> None:
+            if out.new_token_ids:
+                token_times.append(time.perf_counter())
+            if out.finished:
+                final.append(out)
+
+        submitted = time.perf_counter()
+        engine.submit(command, sink)
+        with done:
+            engine.run_until(lambda: bool(final), done)
+    finally:
+        engine.shutdown()
+    out = final[0]
+    if out.error:
+        raise UserError(out.error)
+    print(args.prompt + out.text, flush=True)
+    prefill_s = token_times[0] - submitted if token_times else 0.0
+    decode_s = token_times[-1] - token_times[0] if token_times else 0.0
+    num_tokens = len(out.output_token_ids)
     print(
-        f"[mci] load {load_s:.2f}s | prefill {result.num_prompt_tokens} tokens "
-        f"{result.prefill_tokens_per_s:.1f} tok/s | decode {len(result.token_ids)} tokens "
-        f"{result.decode_tokens_per_s:.1f} tok/s | finish {result.finish_reason}",
+        f"[mci] load {load_s:.2f}s | prefill {len(command.prompt_ids)} tokens "
+        f"{len(command.prompt_ids) / max(prefill_s, 1e-9):.1f} tok/s | decode {num_tokens} "
+        f"tokens {max(num_tokens - 1, 0) / max(decode_s, 1e-9):.1f} tok/s | finish "
+        f"{out.finish_reason}",
         file=sys.stderr,
     )
     return 0
@@ -147,33 +172,28 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from mci.server.launch import serve
 
-    server_config = server_config_from_args(args)
-    if server_config.dp_size < 1:
-        raise UserError("--dp-size must be >= 1")
+    server_config = from_args(ServerConfig, args)
     if server_config.dp_size > 1:
         from mci.replicas.launch import serve_data_parallel
 
-        return serve_data_parallel(config_from_args(args), server_config)
-    return serve(config_from_args(args), server_config)
+        return serve_data_parallel(engine_config_from_args(args), server_config)
+    return serve(engine_config_from_args(args), server_config)
 
 
 def _cmd_serve_ray(args: argparse.Namespace) -> int:
-    from mci.engine.config import RayServeConfig
     from mci.ray_serve.launch import serve_ray
 
-    fields = dataclasses.fields(RayServeConfig)
-    ray_config = RayServeConfig(**{f.name: getattr(args, f.name) for f in fields})
-    return serve_ray(config_from_args(args), server_config_from_args(args), ray_config)
+    return serve_ray(
+        engine_config_from_args(args),
+        from_args(ServerConfig, args),
+        from_args(RayServeConfig, args),
+    )
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from mci.engine.config import RouterConfig
     from mci.router.launch import run_router
 
-    fields = dataclasses.fields(RouterConfig)
-    return run_router(
-        RouterConfig(**{f.name: getattr(args, f.name) for f in fields}), args.worker_urls
-    )
+    return run_router(from_args(RouterConfig, args), args.worker_urls)
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -188,7 +208,7 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
 
     if not args.input_file.is_file():
         raise UserError(f"input file {args.input_file} does not exist")
-    engine = Engine(config_from_args(args), background=False)
+    engine = Engine(engine_config_from_args(args), background=False)
     try:
         name = args.served_model_name or Path(args.model_path).name
         counts = run_batch(engine, args.input_file, args.output_file, name)
@@ -206,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     g = sub.add_parser("generate", help="generate text offline from one prompt")
-    add_config_args(g, sections=("model",))
+    add_engine_flags(g, GENERATE_SECTIONS)
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=_positive_int, default=64)
     g.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
@@ -236,24 +256,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plan)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_config_args(
-        s, sections=("model", "cache", "scheduler", "speculative", "parallel", "server")
-    )
+    add_engine_flags(s)
+    add_flags(s, ServerConfig)
     s.set_defaults(func=_cmd_serve)
 
     sr = sub.add_parser(
         "serve-ray", help="mci serve replicas as an autoscaled Ray Serve deployment"
     )
-    add_config_args(
-        sr, sections=("model", "cache", "scheduler", "speculative", "parallel", "server", "ray")
-    )
+    add_engine_flags(sr)
+    add_flags(sr, ServerConfig, RayServeConfig)
     sr.set_defaults(func=_cmd_serve_ray)
 
     r = sub.add_parser("router", help="one OpenAI endpoint over mci serve replicas")
     r.add_argument(
         "--worker-urls", nargs="+", default=[], help="the replicas, e.g. http://127.0.0.1:30001"
     )
-    add_config_args(r, sections=("router",))
+    add_flags(r, RouterConfig)
     r.set_defaults(func=_cmd_router)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -270,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-i", "--input-file", type=Path, required=True, help="requests JSONL")
     b.add_argument("-o", "--output-file", type=Path, required=True, help="results JSONL")
     b.add_argument("--served-model-name", default=None, help="model name in responses")
-    add_config_args(b)
+    add_engine_flags(b)
     b.set_defaults(func=_cmd_run_batch)
 
     m = sub.add_parser("make-checkpoint", help="write a seeded random DeepSeek-V3 checkpoint")

@@ -1,8 +1,9 @@
-"""User-facing errors.
+"""User-facing errors, and the one shape every HTTP part answers them in.
 
 A `UserError` is a mistake in what the user gave us (a path, a config, a checkpoint, a flag).
 The CLI prints its message on one line and exits with code 2; it never shows a traceback.
-Bugs in mci stay ordinary exceptions so they are loud.
+Bugs in mci stay ordinary exceptions so they are loud. Over HTTP (the server, the router, the
+Ray Serve ingress) every error is OpenAI's error body (`error_body`).
 """
 
 from __future__ import annotations
@@ -52,3 +53,8 @@ class InvalidParameter(UserError):
 class EngineBroken(RuntimeError):
     """The engine cannot take another step (a parallel run lost a rank or a collective timed
     out): the loop fails what is in flight and stops, instead of retrying forever."""
+
+
+def error_body(message: str, type_: str, param=None, code=None) -> dict:
+    """OpenAI's error body: {"error": {message, type, param, code}}."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -85,7 +85,7 @@ def _rss_bytes(pid: int) -> int:
 class Server:
     """`mci serve` in a subprocess, its log in a file."""
 
-    def __init__(self, out: Path, model_path: str | None):
+    def __init__(self, out: Path, model_path: str | None, skip_kernel_warmup: bool = False):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -99,6 +99,8 @@ class Server:
         ]  # fmt: skip
         if model_path:
             cmd += ["--model-path", model_path]
+        if skip_kernel_warmup:
+            cmd.append("--skip-kernel-warmup")
         self.log = open(out / "server.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.wait_ready(180)
@@ -657,11 +659,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("chaos-results"))
     parser.add_argument("--model-path", default=None, help="default: the bundled model")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--skip-kernel-warmup", action="store_true", help="start the server without it (CI)"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     report: dict = {"soak_seconds": args.soak_seconds, "seed": args.seed}
-    server = Server(args.out, args.model_path)
+    server = Server(args.out, args.model_path, args.skip_kernel_warmup)
     try:
         for name, run in (
             ("disconnect_storm", lambda: asyncio.run(disconnect_storm(server, rng))),

@@ -31,7 +31,7 @@ import torch
 from mci.bench.serve import EDIT_MARKER, make_prompts
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.loader import load_model
-from mci.runner.single_sequence import generate
+from mci.runner.single_sequence import decode_single_sequence
 from mci.tokenizer import TextTokenizer
 from mci.tools.corpus import HELD_OUT, corpus_files
 
@@ -143,7 +143,9 @@ def main() -> int:
 
     samples = []
     for prompt in SAMPLE_PROMPTS:
-        out = generate(model, tok.encode(prompt), 48, stop_token_ids=tuple(model.cfg.eos_token_ids))
+        out = decode_single_sequence(
+            model, tok.encode(prompt), 48, stop_token_ids=tuple(model.cfg.eos_token_ids)
+        )
         samples.append({"prompt": prompt, "completion": tok.decode(out.token_ids)})
 
     sizes = {

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -15,10 +14,9 @@ from mci.model_config import load_config
 from mci.tools.make_checkpoint import make_checkpoint, preset_config
 
 torch.set_num_threads(2)
-# Engines built by tests (and the servers they start, which inherit this) skip the startup
-# kernel warm-up: seconds per engine, and tests do not measure first-request latency.
+# Engines and servers built by tests pass --skip-kernel-warmup (skip_kernel_warmup=True): the
+# warm-up costs seconds per engine, and no test times first requests.
 # tests/test_packed_weights.py runs the warm-up itself.
-os.environ["MCI_SKIP_KERNEL_WARMUP"] = "1"
 
 REFERENCE_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "deepseek-v3"
 # A copy inside the repo keeps tests runnable without ../shared (e.g. a bare clone elsewhere).

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
+from mci.cache.config import CacheConfig
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
-from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
-from mci.engine_assembly import build_engine_core
+from mci.engine.builder import build_engine_core
+from mci.engine.config import EngineConfig, ModelPlacement
+from mci.scheduler.config import SchedulerConfig
 
 
 def make_scheduler(model, tokenizer, path, *, max_total_tokens=4096, radix=True, **sched):
     config = EngineConfig(
-        model=ModelPlacement(model_path=path, dtype="float32"),
+        model=ModelPlacement(model_path=path, dtype="float32", skip_kernel_warmup=True),
         cache=CacheConfig(max_total_tokens=max_total_tokens, disable_radix_cache=not radix),
         scheduler=dataclasses.replace(SchedulerConfig(), **sched),
         check_integrity=True,

@@ -35,6 +35,8 @@ class LiveServer:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "mci", command, "--port", str(self.port), *flags]
+        if command in ("serve", "serve-ray") and "--skip-kernel-warmup" not in flags:
+            cmd.append("--skip-kernel-warmup")  # seconds per server; no test times first requests
         if model_path is not None:  # None: the bundled default model, as `make run` serves
             cmd += ["--model-path", str(model_path), "--dtype", dtype]
         self.proc = subprocess.Popen(

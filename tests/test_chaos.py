@@ -15,7 +15,8 @@ SCRIPT = Path(__file__).parent.parent / "scripts" / "chaos.py"
 
 def test_short_chaos_run_passes(tmp_path):
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--soak-seconds", "15", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--soak-seconds", "15", "--out", str(tmp_path)]
+        + ["--skip-kernel-warmup"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -10,7 +10,7 @@ import torch
 from mci.engine.config import DEFAULT_MODEL
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.loader import load_model
-from mci.runner.single_sequence import generate
+from mci.runner.single_sequence import decode_single_sequence
 from mci.tokenizer import TextTokenizer
 from mci.tools.corpus import corpus_files
 
@@ -53,7 +53,7 @@ def test_fp8_and_bf16_agree_on_held_out_text(bf16, tokenizer):
     "header", ["def add(a, b):", "def is_even(n):", "class Point:\n    def __init__(self, x, y):"]
 )
 def test_greedy_completion_is_python_shaped(bf16, tokenizer, header):
-    out = generate(bf16, tokenizer.encode(header), 40)
+    out = decode_single_sequence(bf16, tokenizer.encode(header), 40)
     text = tokenizer.decode(out.token_ids)
     printable = sum(c.isascii() and (c.isprintable() or c in "\n\t") for c in text)
     assert printable / max(len(text), 1) > 0.97, text

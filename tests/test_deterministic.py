@@ -9,13 +9,15 @@ import pytest
 import torch
 from engine_helpers import drive
 
+from mci.cache.config import CacheConfig
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
-from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
-from mci.engine_assembly import build_engine_core
+from mci.engine.builder import build_engine_core
+from mci.engine.config import EngineConfig, ModelPlacement
 from mci.errors import UserError
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.loader import load_model
+from mci.scheduler.config import SchedulerConfig
 from mci.tokenizer import TextTokenizer
 
 
@@ -116,7 +118,9 @@ def _requests(tag: str) -> list[Request]:
 
 def _core(model, path, max_total_tokens=8192, **sched):
     config = EngineConfig(
-        model=ModelPlacement(model_path=path, dtype="bfloat16", deterministic=True),
+        model=ModelPlacement(
+            model_path=path, dtype="bfloat16", deterministic=True, skip_kernel_warmup=True
+        ),
         cache=CacheConfig(max_total_tokens=max_total_tokens),
         scheduler=dataclasses.replace(SchedulerConfig(), **sched),
         check_integrity=True,
@@ -151,7 +155,9 @@ def test_outputs_identical_together_alone_and_chunked_with_preemption(bf16):
 def test_deterministic_needs_bf16_on_the_cpu(checkpoint):
     path = checkpoint()  # float32
     config = EngineConfig(
-        model=ModelPlacement(model_path=path, dtype="float32", deterministic=True)
+        model=ModelPlacement(
+            model_path=path, dtype="float32", deterministic=True, skip_kernel_warmup=True
+        )
     )
     with pytest.raises(UserError, match="deterministic"):
         build_engine_core(config, load_model(path, "float32"), TextTokenizer.load(path))
@@ -160,13 +166,13 @@ def test_deterministic_needs_bf16_on_the_cpu(checkpoint):
 def test_sglang_flag_spelling_is_accepted():
     import argparse
 
-    from mci.engine.config import add_config_args, config_from_args
+    from mci.engine.config import add_engine_flags, engine_config_from_args
 
     parser = argparse.ArgumentParser()
-    add_config_args(parser)
+    add_engine_flags(parser)
     for flag in ("--deterministic", "--enable-deterministic-inference"):
-        assert config_from_args(parser.parse_args([flag])).model.deterministic
-    assert not config_from_args(parser.parse_args([])).model.deterministic
+        assert engine_config_from_args(parser.parse_args([flag])).model.deterministic
+    assert not engine_config_from_args(parser.parse_args([])).model.deterministic
 
 
 def _served_outputs(server, prompts, concurrent: bool) -> list:

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
+from mci.cache.config import CacheConfig
 from mci.core.sampling_params import SamplingParams
-from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement
+from mci.engine.config import EngineConfig, ModelPlacement
 from mci.engine.engine import Engine
 from mci.errors import UserError
 from mci.scheduler.detokenizer import IncrementalDetokenizer
@@ -20,7 +21,7 @@ def engine(checkpoint):
     path = checkpoint()
     eng = Engine(
         EngineConfig(
-            model=ModelPlacement(model_path=path, dtype="float32"),
+            model=ModelPlacement(model_path=path, dtype="float32", skip_kernel_warmup=True),
             cache=CacheConfig(max_total_tokens=8192),
             check_integrity=True,
         )
@@ -140,7 +141,7 @@ def test_foreground_engine_runs_the_loop_in_generate(checkpoint):
     path = checkpoint()
     eng = Engine(
         EngineConfig(
-            model=ModelPlacement(model_path=path, dtype="float32"),
+            model=ModelPlacement(model_path=path, dtype="float32", skip_kernel_warmup=True),
             cache=CacheConfig(max_total_tokens=4096),
             check_integrity=True,
         ),
@@ -163,3 +164,35 @@ def test_foreground_engine_runs_the_loop_in_generate(checkpoint):
             asyncio.run(try_stream())
     finally:
         eng.shutdown()
+
+
+def test_the_public_face_is_the_engine(checkpoint):
+    """`from mci import Engine, EngineConfig, SamplingParams`, as the README's Python API shows;
+    `import mci` alone loads no engine (the names load on first use)."""
+    import subprocess
+    import sys
+
+    import mci
+    from mci import Engine as PublicEngine
+    from mci import EngineConfig as PublicConfig
+    from mci import SamplingParams as PublicParams
+
+    assert (PublicEngine, PublicConfig, PublicParams) == (Engine, EngineConfig, SamplingParams)
+    assert set(mci.__all__) >= {"Engine", "EngineConfig", "SamplingParams"}
+    light = "import sys, mci; print('mci.engine.engine' in sys.modules, 'torch' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", light], capture_output=True, text=True)
+    assert loaded.stdout.split() == ["False", "False"], loaded.stderr
+    with pytest.raises(AttributeError):
+        _ = mci.NoSuchThing
+
+    config = PublicConfig(
+        model=ModelPlacement(model_path=checkpoint(), dtype="float32", skip_kernel_warmup=True),
+        cache=CacheConfig(max_total_tokens=2048),
+    )
+    engine = PublicEngine(config, background=False)
+    try:
+        params = PublicParams(max_new_tokens=4, ignore_eos=True)
+        results = engine.generate(["def f(x):", [1, 2, 3]], params)
+    finally:
+        engine.shutdown()
+    assert [len(r.outputs[0].output_token_ids) for r in results] == [4, 4]

@@ -6,14 +6,15 @@ from __future__ import annotations
 import threading
 import time
 
+from mci.cache.config import CacheConfig
 from mci.core.sampling_params import SamplingParams
-from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement
+from mci.engine.config import EngineConfig, ModelPlacement
 from mci.engine.engine import Engine
 
 
 def _config(path) -> EngineConfig:
     return EngineConfig(
-        model=ModelPlacement(model_path=path, dtype="float32"),
+        model=ModelPlacement(model_path=path, dtype="float32", skip_kernel_warmup=True),
         cache=CacheConfig(max_total_tokens=2048),
     )
 

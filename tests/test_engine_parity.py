@@ -10,7 +10,7 @@ from engine_helpers import drive, greedy, make_scheduler
 
 from mci.core.request import Request
 from mci.models.loader import load_model
-from mci.runner.single_sequence import generate
+from mci.runner.single_sequence import decode_single_sequence
 from mci.tokenizer import TextTokenizer
 
 NUM_REQUESTS = 16
@@ -43,7 +43,7 @@ def _workload(vocab: int):
 @pytest.fixture(scope="module")
 def expected(setup):
     path, model, _ = setup
-    return {rid: generate(model, p, n).token_ids for rid, p, n, _ in _workload(2048)}
+    return {rid: decode_single_sequence(model, p, n).token_ids for rid, p, n, _ in _workload(2048)}
 
 
 def _run(setup, **kw):
@@ -112,7 +112,7 @@ def test_n_samples_share_the_prompt(setup, expected):
     prompt = list(range(100, 140))
     samples = [Request(f"s-{i}", prompt, greedy(6)) for i in range(4)]
     finals = drive(sched, {0: samples})
-    solo = generate(model, prompt, 6).token_ids
+    solo = decode_single_sequence(model, prompt, 6).token_ids
     assert all(finals[f"s-{i}"].output_token_ids == solo for i in range(4))
     assert all(finals[f"s-{i}"].num_cached_tokens == len(prompt) - 1 for i in range(1, 4))
 

@@ -1,5 +1,12 @@
-"""No module of the package imports itself in a circle, directly or through others (lazy
-imports inside functions included: a circle hidden in a function is still a circle)."""
+"""The package's layers, enforced: every import runs down them (lazy imports inside functions
+included: an import hidden in a function is still an arrow), and none runs in a circle.
+
+A module may import its own package's modules and any module on a lower floor; never a
+floor above, and never a neighbour on its own floor. So, among others: nothing below the
+engine imports it; `parallel/` (communication only) imports neither `models/` nor the
+engine; `server/` and `router/` do not import each other. docs/architecture.md draws the
+same floors.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,34 @@ from pathlib import Path
 import mci
 
 ROOT = Path(mci.__file__).parent
+
+# Top to bottom. Each name is a package of mci (all its modules) or a top-level module.
+FLOORS = (
+    ("mci.__main__",),  # python -m mci
+    ("mci", "mci.cli"),  # the public face (Engine, EngineConfig, SamplingParams); the commands
+    ("mci.ray_serve",),  # Ray Serve deployments of replicas
+    ("mci.replicas",),  # N servers behind the router (--dp-size, Ray Serve replicas)
+    ("mci.server", "mci.router", "mci.bench"),  # HTTP front ends, and the load generator
+    ("mci.engine",),  # THE engine: API, core step, loop, builder, commands, multi-rank
+    ("mci.scheduler", "mci.runner"),  # the plan of a step; the step on the model
+    ("mci.speculative",),  # drafters (MTP runs the model's module)
+    ("mci.plan", "mci.tools"),  # memory plans and checkpoint tools, from the model's layout
+    ("mci.models",),
+    ("mci.layers",),
+    ("mci.parallel", "mci.kernels"),  # communication only; the C kernels
+    ("mci.cache",),
+    ("mci.core",),  # Request, SamplingParams, batches, outputs, request ids
+    ("mci.grammar",),
+    (
+        "mci.tokenizer",
+        "mci.model_config",
+        "mci.config_fields",
+        "mci.process_tuning",
+        "mci.loopback",
+    ),
+    ("mci.errors",),
+)
+FLOOR_OF = {unit: i for i, units in enumerate(FLOORS) for unit in units}
 
 
 def _module_name(path: Path) -> str:
@@ -25,17 +60,47 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
             names = [a.name for a in node.names]
         else:
             continue
-        # `from mci.server import protocol` imports the module mci.server.protocol
-        found |= {n for n in names if n in modules and n != "mci" and not n.endswith("__init__")}
+        # `from mci.server import requests` imports the module mci.server.requests
+        found |= {n for n in names if n in modules and n != "mci"}
     return found
 
 
-def test_no_import_cycles():
+def _graph() -> dict[str, set[str]]:
     files = {_module_name(p): p for p in ROOT.rglob("*.py")}
     modules = set(files)
-    graph = {m: _imports(p, modules) - {m} for m, p in files.items()}
     packages = {m for m, p in files.items() if p.name == "__init__.py"}
-    graph = {m: deps - packages for m, deps in graph.items()}
+    graph = {m: _imports(p, modules) - {m} for m, p in files.items()}
+    return {m: deps - packages for m, deps in graph.items()}
+
+
+def _unit(module: str) -> str:
+    """The package (or top-level module) a module belongs to: mci.engine.core -> mci.engine."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_every_module_has_a_floor():
+    unplaced = sorted({_unit(m) for m in _graph()} - set(FLOOR_OF))
+    assert not unplaced, f"place these in FLOORS (and docs/architecture.md): {unplaced}"
+
+
+def test_every_import_runs_down_the_floors():
+    wrong = []
+    for module, deps in sorted(_graph().items()):
+        mine = _unit(module)
+        for dep in sorted(deps):
+            theirs = _unit(dep)
+            if theirs == mine:
+                continue
+            if FLOOR_OF[theirs] == FLOOR_OF[mine]:
+                wrong.append(f"{module} -> {dep}: neighbours on one floor")
+            elif FLOOR_OF[theirs] < FLOOR_OF[mine]:
+                wrong.append(f"{module} -> {dep}: runs back up the floors")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    graph = _graph()
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
     path: list[str] = []
 

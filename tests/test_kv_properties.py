@@ -125,8 +125,8 @@ def test_radix_split_and_lru_eviction():
 
 
 def test_pool_sizing_from_tokens_gib_or_free_memory():
+    from mci.cache.config import CacheConfig
     from mci.cache.sizing import kv_pool_tokens
-    from mci.engine.config import CacheConfig
     from mci.errors import UserError
 
     cpu = torch.device("cpu")
@@ -134,6 +134,7 @@ def test_pool_sizing_from_tokens_gib_or_free_memory():
     assert kv_pool_tokens(CacheConfig(kv_cache_gb=1.0), 2**20, cpu, cap=10**9) == 1024
     from_free = kv_pool_tokens(CacheConfig(mem_fraction_static=0.01), 70_272, cpu, cap=50_000)
     assert 1 <= from_free <= 50_000
-    for bad in (CacheConfig(max_total_tokens=0), CacheConfig(kv_cache_gb=-1.0)):
+    # the section checks itself: a bad size never reaches the sizing
+    for bad in ({"max_total_tokens": 0}, {"kv_cache_gb": -1.0}, {"mem_fraction_static": 0}):
         with pytest.raises(UserError):
-            kv_pool_tokens(bad, 1000, cpu, cap=10)
+            CacheConfig(**bad)

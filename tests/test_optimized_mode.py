@@ -8,8 +8,9 @@ import json
 import subprocess
 import sys
 
+from mci.cache.config import CacheConfig
 from mci.core.sampling_params import SamplingParams
-from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement
+from mci.engine.config import EngineConfig, ModelPlacement
 from mci.engine.engine import Engine
 
 SCRIPT = """
@@ -17,12 +18,14 @@ import json, sys
 assert False  # under -O this line does nothing
 from mci.core.sampling_params import SamplingParams
 from mci.engine.engine import Engine
-from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement, SchedulerConfig
+from mci.cache.config import CacheConfig
+from mci.engine.config import EngineConfig, ModelPlacement
+from mci.scheduler.config import SchedulerConfig
 
 path, prompts = sys.argv[1], json.loads(sys.argv[2])
 engine = Engine(
     EngineConfig(
-        model=ModelPlacement(model_path=path, dtype="float32"),
+        model=ModelPlacement(model_path=path, dtype="float32", skip_kernel_warmup=True),
         cache=CacheConfig(max_total_tokens=96),
         scheduler=SchedulerConfig(chunked_prefill_size=8, decode_reserve_tokens=1),
         check_integrity=True,
@@ -63,7 +66,7 @@ def test_engine_runs_the_same_under_python_O(checkpoint):
 
     engine = Engine(
         EngineConfig(
-            model=ModelPlacement(model_path=path, dtype="float32"),
+            model=ModelPlacement(model_path=path, dtype="float32", skip_kernel_warmup=True),
             cache=CacheConfig(max_total_tokens=8192),
         ),
         background=False,

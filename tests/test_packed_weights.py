@@ -1,5 +1,5 @@
 """oneDNN-packed weights (the CPU engine's matmuls) give bitwise the same logits as aten's
-(the skinny-row kernels are another kernel: tests/test_cpu_matvec.py)."""
+(the skinny-row kernels are another kernel: tests/test_cpu_kernels.py)."""
 
 from __future__ import annotations
 

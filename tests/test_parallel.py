@@ -14,13 +14,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mci.cache.config import CacheConfig
+from mci.core.outputs import QUEUE_TIMEOUT
 from mci.core.sampling_params import SamplingParams
-from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement, ParallelConfig
+from mci.engine.config import EngineConfig, ModelPlacement
 from mci.engine.engine import Engine
 from mci.errors import UserError
 from mci.models.loader import load_model
+from mci.parallel.config import ParallelConfig
 from mci.parallel.context import ParallelContext
 from mci.plan import Hardware, make_plan
+from mci.scheduler.config import SchedulerConfig
 
 PROMPTS = ["def parse(argv):", "import os\nimport", "class Stack:\n    def"]
 # |logprob(parallel) - logprob(single)| of every generated token, by compute dtype: the shards
@@ -32,7 +36,7 @@ FP8_ALIGNED = {"num_attention_heads": 16, "intermediate_size": 256, "moe_interme
 
 def _outputs(path, dtype: str, parallel: ParallelConfig):
     config = EngineConfig(
-        model=ModelPlacement(model_path=path, dtype=dtype),
+        model=ModelPlacement(model_path=path, dtype=dtype, skip_kernel_warmup=True),
         cache=CacheConfig(max_total_tokens=2048),
         parallel=parallel,
     )
@@ -91,11 +95,11 @@ def test_every_layout_matches_one_process(hf_checkpoint):
 def test_dp_attention_pools_the_ranks_kv_and_refuses_speculation(checkpoint):
     """Each rank sizes its own KV pool: the run holds the sum. Drafting would add forwards on
     some ranks only: refused."""
-    from mci.engine.config import SpeculativeConfig
+    from mci.speculative.config import SpeculativeConfig
 
     layout = ParallelConfig(ep_size=2, enable_dp_attention=True)
     config = EngineConfig(
-        model=ModelPlacement(model_path=checkpoint(), dtype="float32"),
+        model=ModelPlacement(model_path=checkpoint(), dtype="float32", skip_kernel_warmup=True),
         cache=CacheConfig(max_total_tokens=1000),
         parallel=layout,
     )
@@ -110,6 +114,46 @@ def test_dp_attention_pools_the_ranks_kv_and_refuses_speculation(checkpoint):
     spec = SpeculativeConfig(speculative_algorithm="ngram")
     with pytest.raises(UserError, match="dp-attention"):
         dataclasses.replace(config, speculative=spec)
+
+
+def test_max_queue_time_holds_on_every_dp_attention_rank(checkpoint):
+    """A prompt queued past its bound ends with QUEUE_TIMEOUT on whichever rank holds it:
+    rank 0 forwards the AddRequest as it took it, and the other rank builds its requests
+    through the same RequestFront (queue clock included) as rank 0 does."""
+    layout = ParallelConfig(ep_size=2, enable_dp_attention=True)
+    config = EngineConfig(
+        model=ModelPlacement(model_path=checkpoint(), dtype="float32", skip_kernel_warmup=True),
+        cache=CacheConfig(max_total_tokens=2048),
+        scheduler=SchedulerConfig(max_running_requests=1),
+        parallel=layout,
+    )
+    engine = Engine(config)
+    finals: dict = {}
+    try:
+        sink = lambda out: out.finished and finals.setdefault(out.request_id, out)  # noqa: E731
+        busy = SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True)
+        for i in range(2):  # one long request per rank: each rank's one running slot is taken
+            engine.add_request([5, 6, 7], busy, sink, f"long-{i}")
+        start = time.monotonic()
+        for i in range(2):
+            engine.add_request([8, 9], SamplingParams(max_new_tokens=4), sink, f"queued-{i}",
+                               queue_timeout_s=0.5)  # fmt: skip
+        ranks = engine.between_steps(lambda: [engine.core.rank_of(f"queued-{i}") for i in (0, 1)])
+        assert ranks == [0, 1]  # the least-loaded rank takes a prompt, ties to the lowest
+        while not {"queued-0", "queued-1"} <= finals.keys() and time.monotonic() - start < 30:
+            time.sleep(0.02)
+        waited = time.monotonic() - start
+        for i in range(2):
+            out = finals.get(f"queued-{i}")
+            assert out is not None and out.error == QUEUE_TIMEOUT, (i, out)
+        assert 0.5 <= waited < 10 and not {"long-0", "long-1"} & finals.keys()
+        for i in range(2):
+            engine.abort(f"long-{i}")
+        while len(finals) < 4 and time.monotonic() - start < 60:
+            time.sleep(0.02)
+        engine.check_idle_integrity()
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.slow
@@ -243,13 +287,13 @@ def test_served_stuck_rank_fails_after_the_collective_timeout(checkpoint):
 def test_mtp_speculation_under_tp2_is_lossless(checkpoint):
     """MTP drafting on a TP-2 run (the module sharded like a layer, its cache copy broadcast):
     greedy outputs identical to one process without speculation."""
-    from mci.engine.config import SpeculativeConfig
+    from mci.speculative.config import SpeculativeConfig
 
     path = checkpoint()
     plain = _outputs(path, "float32", ParallelConfig())
     spec = SpeculativeConfig(speculative_algorithm="mtp", speculative_num_steps=2)
     config = EngineConfig(
-        model=ModelPlacement(model_path=path, dtype="float32"),
+        model=ModelPlacement(model_path=path, dtype="float32", skip_kernel_warmup=True),
         cache=CacheConfig(max_total_tokens=2048),
         speculative=spec,
         parallel=ParallelConfig(tp_size=2),
@@ -280,6 +324,7 @@ def test_two_nodes_on_one_machine(checkpoint):
     common = ("--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr)
     node1 = subprocess.Popen(
         [sys.executable, "-m", "mci", "serve", "--model-path", str(path), "--dtype", "float32"]
+        + ["--skip-kernel-warmup"]
         + [*common, "--node-rank", "1"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -8,7 +8,7 @@ from conftest import hf_greedy, load_hf_reference
 from helpers import prefill_logits
 
 from mci.models.loader import load_model
-from mci.runner.single_sequence import generate
+from mci.runner.single_sequence import decode_single_sequence
 from mci.tools.make_checkpoint import YARN_EXAMPLE
 
 LOGIT_TOL = 1e-4
@@ -67,5 +67,5 @@ def test_greedy_continuation_matches_reference(checkpoint, variant):
     path = checkpoint(**VARIANTS[variant])
     ours, ref = load_model(path, "float32"), load_hf_reference(path)
     ids = _prompt(12, ours.cfg.vocab_size, seed=99)
-    got = generate(ours, ids, max_new_tokens=32).token_ids
+    got = decode_single_sequence(ours, ids, max_new_tokens=32).token_ids
     assert got == hf_greedy(ref, ids, 32)

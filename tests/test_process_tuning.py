@@ -13,7 +13,7 @@ import pytest
 # threshold fixed and trimming off, freed memory is reused and only the growth faults.
 CHURN = """
 import resource, sys, torch
-from mci.cpu_allocator import keep_freed_memory
+from mci.process_tuning import keep_freed_memory
 
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -78,7 +78,7 @@ def test_serve_ray_autoscales_routes_by_cache_and_stops(tmp_path):
             sys.executable, "-m", "mci", "serve-ray", "--port", str(port),
             "--min-replicas", "1", "--max-replicas", "2",
             "--target-ongoing-requests", "2", "--upscale-delay-s", "1",
-            "--downscale-delay-s", "600", "--cpus-per-replica", "1",
+            "--downscale-delay-s", "600", "--cpus-per-replica", "1", "--skip-kernel-warmup",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -73,6 +73,7 @@ def test_run_batch_end_to_end(tmp_path, checkpoint):
             "2048",
             "--served-model-name",
             "m",
+            "--skip-kernel-warmup",
         ],
         capture_output=True,
         text=True,

@@ -14,7 +14,8 @@ from mci.cache.slot_pool import SlotPool
 from mci.core.batch import SampleResult, ScheduledBatch
 from mci.core.request import Request, RequestStatus
 from mci.core.sampling_params import SamplingParams
-from mci.engine.config import DEFAULT_MODEL, SchedulerConfig
+from mci.engine.config import DEFAULT_MODEL
+from mci.scheduler.config import SchedulerConfig
 from mci.scheduler.output_processor import OutputProcessor
 from mci.scheduler.scheduler import Scheduler
 from mci.tokenizer import TextTokenizer

@@ -15,20 +15,17 @@ import pytest
 import torch
 from engine_helpers import OracleDrafter, drive
 
+from mci.cache.config import CacheConfig
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
-from mci.engine.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelPlacement,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
-from mci.engine_assembly import build_engine_core
+from mci.engine.builder import build_engine_core
+from mci.engine.config import EngineConfig, ModelPlacement
 from mci.errors import UserError
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.models.loader import load_model
 from mci.runner.model_runner import ModelRunner
+from mci.scheduler.config import SchedulerConfig
+from mci.speculative.config import SpeculativeConfig
 from mci.speculative.ngram import NgramDrafter
 from mci.speculative.speculator import Speculator
 from mci.speculative.verify import accepted_length
@@ -44,7 +41,9 @@ def fp32(checkpoint):
 def _core(model, tokenizer, path, dtype="float32", spec=None, deterministic=False, **sched):
     cache = sched.pop("max_total_tokens", 4096)
     config = EngineConfig(
-        model=ModelPlacement(model_path=path, dtype=dtype, deterministic=deterministic),
+        model=ModelPlacement(
+            model_path=path, dtype=dtype, deterministic=deterministic, skip_kernel_warmup=True
+        ),
         cache=CacheConfig(max_total_tokens=cache),
         scheduler=dataclasses.replace(SchedulerConfig(), **sched),
         speculative=spec or SpeculativeConfig(),

@@ -14,21 +14,18 @@ from engine_helpers import OracleDrafter, drive
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mci.cache.config import CacheConfig
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
-from mci.engine.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelPlacement,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
-from mci.engine_assembly import build_engine_core
+from mci.engine.builder import build_engine_core
+from mci.engine.config import EngineConfig, ModelPlacement
 from mci.errors import InvalidParameter
 from mci.grammar.cache import xgrammar_cache
 from mci.grammar.constraint import Constraint
 from mci.models.loader import load_model
 from mci.runner.model_runner import ModelRunner
+from mci.scheduler.config import SchedulerConfig
+from mci.speculative.config import SpeculativeConfig
 from mci.speculative.speculator import Speculator
 from mci.tokenizer import TextTokenizer
 
@@ -42,7 +39,7 @@ def tiny(checkpoint):
 def _core(tiny, spec=None, **sched):
     path, model, tok = tiny
     config = EngineConfig(
-        model=ModelPlacement(model_path=path, dtype="float32"),
+        model=ModelPlacement(model_path=path, dtype="float32", skip_kernel_warmup=True),
         cache=CacheConfig(max_total_tokens=sched.pop("max_total_tokens", 8192)),
         scheduler=dataclasses.replace(SchedulerConfig(), **sched),
         speculative=spec or SpeculativeConfig(),

@@ -19,9 +19,10 @@ from conftest import hf_greedy, load_hf_reference
 from server_helpers import LiveServer
 from tokenizers import AddedToken, Tokenizer, processors
 
+from mci.cache.config import CacheConfig
 from mci.cli import DEFAULT_MODEL
 from mci.core.sampling_params import SamplingParams
-from mci.engine.config import CacheConfig, EngineConfig, ModelPlacement
+from mci.engine.config import EngineConfig, ModelPlacement
 from mci.engine.engine import Engine
 from mci.tokenizer import TextTokenizer
 from mci.tools.bpe import ASSISTANT, BOS, CHAT_TEMPLATE, EOS, USER, train_bpe
@@ -320,7 +321,7 @@ def test_greedy_text_equals_transformers_without_bos(checkpoint, tmp_path):
 
     engine = Engine(
         EngineConfig(
-            model=ModelPlacement(model_path=path, dtype="float32"),
+            model=ModelPlacement(model_path=path, dtype="float32", skip_kernel_warmup=True),
             cache=CacheConfig(max_total_tokens=2048),
         )
     )

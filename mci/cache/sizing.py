@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mci.engine.config import CacheConfig
-from mci.errors import UserError
+from mci.cache.config import CacheConfig
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -25,12 +24,8 @@ def available_memory_bytes(device: torch.device) -> int:
 def kv_pool_tokens(cache: CacheConfig, bytes_per_token: int, device, cap: int) -> int:
     """Pool size in tokens: explicit, or from GiB, or a fraction of free memory (capped)."""
     if cache.max_total_tokens is not None:
-        if cache.max_total_tokens < 1:
-            raise UserError("--max-total-tokens must be at least 1")
         return cache.max_total_tokens
     if cache.kv_cache_gb is not None:
-        if cache.kv_cache_gb <= 0:
-            raise UserError("--kv-cache-gb must be positive")
         return max(1, int(cache.kv_cache_gb * 2**30) // bytes_per_token)
     budget = int(available_memory_bytes(device) * cache.mem_fraction_static)
     return max(1, min(budget // bytes_per_token, cap))

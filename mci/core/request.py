@@ -134,10 +134,6 @@ class Request:
         mixed = (self.sample_seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % 2**64
         return self.generator.manual_seed((mixed ^ (mixed >> 31)) % 2**63)
 
-    def generator_for_next_token(self) -> torch.Generator:
-        """The random stream of the output token about to be drawn."""
-        return self.generator_for_output(len(self.output_ids))
-
     def append_token(self, token_id: int) -> None:
         """Record a generated token (it has no latent in the cache yet)."""
         self.output_ids.append(token_id)

@@ -1,25 +1,39 @@
-"""Building an engine core for a loaded model: size the KV pool, then the pool, radix cache,
-runner, scheduler, speculator and grammar cache (mci.engine_assembly loads what it needs first;
-a data-parallel rank builds its own core here too)."""
+"""Building an engine: load the model and tokenizer (in this process, or over this node's ranks),
+size the KV pool, then build the pool, radix cache, runner, scheduler, speculator, grammar
+cache and request front, and the core that steps them.
+
+The only place that knows how the parts fit together; everything else receives them built.
+Every rank of a parallel run starts here too: rank 0 through `build_engine`, the others
+through `follower_main` (a data-parallel rank builds its own core with `build_engine_core`).
+"""
 
 from __future__ import annotations
 
 import logging
-import os
+import multiprocessing
+import sys
 import time
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from mci.cache.kv_manager import KVCacheManager
 from mci.cache.radix_cache import RadixCache
 from mci.cache.sizing import kv_pool_tokens
 from mci.cache.slot_pool import SlotPool
-from mci.cpu_allocator import keep_freed_memory
 from mci.engine.config import EngineConfig
 from mci.engine.core import EngineCore
+from mci.engine.dp_attention import DataParallelCore, follow_rounds
+from mci.engine.ranks import join, load_agreed, load_sharded, start_followers
+from mci.engine.request_front import RequestFront
+from mci.engine.sharded_model import ShardedModel, follow
 from mci.errors import UserError
 from mci.grammar.cache import xgrammar_cache
+from mci.model_config import ModelConfig
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
+from mci.models.loader import load_model
+from mci.process_tuning import keep_freed_memory
 from mci.runner.model_runner import ModelRunner
 from mci.scheduler.output_processor import OutputProcessor
 from mci.scheduler.scheduler import Scheduler
@@ -29,6 +43,78 @@ from mci.speculative.speculator import Speculator
 from mci.tokenizer import TextTokenizer
 
 log = logging.getLogger("mci")
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """A built engine: the model and tokenizer, the core that steps them, and the front that
+    checks prompts for it; in a parallel run, the model is rank 0's handle on all ranks and
+    `followers` this node's other rank processes."""
+
+    model: DeepseekV3ForCausalLM | ShardedModel
+    tokenizer: TextTokenizer
+    core: EngineCore | DataParallelCore
+    front: RequestFront
+    followers: tuple[multiprocessing.Process, ...] = ()
+
+    def close(self) -> None:
+        """Release the other ranks of a parallel run (nothing to do for one process); after a
+        failure, kill this node's (a stuck one would never leave on its own)."""
+        driver = self.core if isinstance(self.core, DataParallelCore) else self.model
+        if not isinstance(driver, (ShardedModel, DataParallelCore)):
+            return
+        broken = driver.broken
+        try:
+            driver.close()
+        except RuntimeError as exc:  # a rank already gone: nothing to release
+            log.warning("closing the parallel run: %s", exc)
+        for proc in self.followers:
+            proc.join(timeout=0 if broken else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+def build_engine(
+    config: EngineConfig,
+    model: DeepseekV3ForCausalLM | None = None,
+    tokenizer: TextTokenizer | None = None,
+    model_config: ModelConfig | None = None,
+) -> EngineParts:
+    """Load what is not passed in (tests share one loaded model between engines), then build.
+    `model_config`: the checkpoint's config.json, when the caller has parsed it already."""
+    placement = config.model
+    followers, parallel = [], None
+    if model is None and config.parallel.world_size > 1:
+        model, parallel, followers = load_sharded(config, follower_main, model_config)
+    model = model or load_model(
+        placement.model_path, placement.dtype, placement.device, cfg=model_config
+    )
+    tokenizer = tokenizer or TextTokenizer.load(placement.model_path)
+    log.info(
+        "model %s: %s, %.1f MB of weights",
+        placement.model_path,
+        model.dtype,
+        model.weight_bytes() / 1e6,
+    )
+    try:
+        core = build_engine_core(config, model, tokenizer)
+    except BaseException:
+        _abandon_run(followers)
+        raise
+    front = core.front
+    if parallel is not None and parallel.dp_attention:
+        core = DataParallelCore(core, model, parallel, config.parallel.dist_timeout)
+    return EngineParts(model, tokenizer, core, front, tuple(followers))
+
+
+def _abandon_run(followers: list[multiprocessing.Process]) -> None:
+    """A parallel run that failed while its engine was being built: stop its ranks."""
+    for proc in followers:
+        proc.kill()
+        proc.join(timeout=5)
+    if followers and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def build_engine_core(
@@ -81,9 +167,7 @@ def build_engine_core(
         log.info(
             "deterministic (batch-invariant) inference %s", "on" if model.batch_invariant else "off"
         )
-    if device.type == "cpu" and not (
-        config.model.skip_kernel_warmup or os.environ.get("MCI_SKIP_KERNEL_WARMUP") == "1"
-    ):
+    if device.type == "cpu" and not config.model.skip_kernel_warmup:
         start = time.monotonic()
         # a step's tokens: a full prefill budget beside a decode token of every running request
         max_rows = config.scheduler.max_prefill_tokens + config.scheduler.max_running_requests
@@ -108,4 +192,38 @@ def build_engine_core(
         )
     runner = ModelRunner(model, kv_cache, eos_ids, speculator)
     grammar = xgrammar_cache(tokenizer, cfg.vocab_size, eos_ids)
-    return EngineCore(scheduler, runner, config.check_integrity, grammar)
+    front = RequestFront(tokenizer, cfg.vocab_size, cfg.max_position_embeddings, grammar)
+    return EngineCore(scheduler, runner, front, config.check_integrity, grammar)
+
+
+def follower_main(
+    config: EngineConfig, rank: int, init_addr: str, model_config: ModelConfig | None
+) -> None:
+    """A follower rank's process: join the run, load its shard, then follow rank 0 (its own
+    core under data-parallel attention, else rank 0's model calls) until the run ends."""
+    logging.basicConfig(
+        level=logging.INFO, format=f"mci[rank {rank}]: %(message)s", stream=sys.stderr
+    )
+    try:
+        parallel = join(config, rank, init_addr)
+        model = load_agreed(config, parallel, model_config)
+        if parallel.dp_attention:  # its own scheduler and KV cache, stepped by rank 0
+            tokenizer = TextTokenizer.load(config.model.model_path)
+            follow_rounds(build_engine_core(config, model, tokenizer), model, parallel)
+        else:
+            follow(model, parallel)
+        dist.destroy_process_group()
+    except UserError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+    except Exception as exc:  # noqa: BLE001 - a failed collective: a peer is gone or stuck
+        log.error("rank %d stopping: %s", rank, str(exc).splitlines()[0] if str(exc) else exc)
+        sys.exit(1)
+
+
+def run_follower_node(config: EngineConfig) -> int:
+    """`mci serve --node-rank K` (K > 0): this node's ranks, until the run ends."""
+    procs = start_followers(config, config.parallel.dist_init_addr, follower_main, None)
+    for proc in procs:
+        proc.join()
+    return max((proc.exitcode or 0) for proc in procs) if procs else 0

@@ -1,8 +1,11 @@
 """One engine step at a time: schedule -> execute -> update (vLLM's `EngineCore.step`).
 
 `EngineCore` is the whole engine minus threads, queues and callers: whoever drives it (the
-`EngineLoop`) calls it from a single thread. It also answers for the engine's state: stats
-for metrics and the KV integrity checks.
+`EngineLoop`, or rank 0 of a data-parallel run) calls it from a single thread. It also
+answers for the engine's state: stats for metrics and the KV integrity checks.
+
+`StepCore` is what a loop drives: one rank's `EngineCore`, or rank 0's `DataParallelCore`
+(engine/dp_attention.py), which stands for every rank's.
 """
 
 from __future__ import annotations
@@ -10,11 +13,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from typing import Protocol
 
 from mci.cache.kv_manager import KVCacheManager
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request
+from mci.core.request_ids import sample_ids
 from mci.core.sampling_params import SamplingParams
+from mci.engine.commands import AddRequest
+from mci.engine.request_front import RequestFront
+from mci.errors import UserError
 from mci.grammar.cache import GrammarCache, Window
 from mci.grammar.deferred import DeferredMatcher
 from mci.grammar.healing import LeadingMatcher
@@ -25,18 +33,70 @@ log = logging.getLogger("mci")
 GRAMMAR_WAIT_S = 0.005  # longest an idle step waits for a compiling grammar
 
 
+class StepCore(Protocol):
+    """What an `EngineLoop` drives, from one thread. Invariants: every sample added ends with
+    exactly one final output (returned by `add`, `abort`, `abort_all` or `step`); `has_work`
+    is False only when nothing is in flight; stats and state are taken between steps."""
+
+    grammar: GrammarCache | None  # compiles constraints off the loop's thread
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def add(self, command: AddRequest) -> list[RequestOutput]:
+        """Queue the prompt's samples; returns the final outputs of those that end at once
+        (refused, or can never run)."""
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """End a sample; its final output comes now or with a later step."""
+
+    def abort_all(self, error: str) -> list[RequestOutput]: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def idle(self) -> None:
+        """Called while there is no work."""
+
+    def stats(self) -> dict: ...
+
+    def state(self) -> dict:
+        """Stats plus a live integrity check (`integrity_ok`, `integrity_error`)."""
+
+    def check_integrity(self) -> None: ...
+
+    def check_idle_integrity(self) -> None:
+        """AssertionError unless nothing is in flight and every slot is free or a tree's
+        (`check_idle` of the state)."""
+
+
+def check_idle(state: dict) -> None:
+    """Raise AssertionError unless a core's `state()`, with nothing in flight, shows every
+    slot free or a tree's and no lock held (one rank's, or every rank's added up)."""
+    if state["num_running"] or state["num_waiting"]:
+        raise AssertionError("requests still in flight")
+    if not state.get("integrity_ok", False):
+        raise AssertionError(state.get("integrity_error", "slot accounting is broken on a rank"))
+    if state["free_slots"] + state["tree_tokens"] != state["num_slots"]:
+        raise AssertionError(f"slots leaked: {state}")
+    if state["tree_locked_tokens"]:
+        raise AssertionError(f"a lock leaked: {state['tree_locked_tokens']} tokens still locked")
+
+
 class EngineCore:
-    """A scheduler and a model runner, stepped together. Not thread-safe: one driver."""
+    """A scheduler and a model runner, stepped together; `front` makes a command's requests.
+    Not thread-safe: one driver. Satisfies `StepCore`."""
 
     def __init__(
         self,
         scheduler: Scheduler,
         runner: ModelRunner,
+        front: RequestFront,
         check_integrity: bool = False,
         grammar: GrammarCache | None = None,
     ):
         self.scheduler = scheduler
         self.runner = runner
+        self.front = front
         self.check_integrity_each_step = check_integrity
         self.grammar = grammar  # compiles constraints off this thread (None: no constraints)
         self.longest_step_s = 0.0  # what the front end's watchdog scales its timeout by
@@ -56,6 +116,22 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def add(self, command: AddRequest) -> list[RequestOutput]:
+        """The command's requests through the front (checked again: a command from another
+        process is refused, never fatal), each queued; the outputs of those that end at once."""
+        try:
+            reqs = self.front.requests(command)
+        except Exception as exc:  # noqa: BLE001 - a bad request never takes the engine down
+            if not isinstance(exc, UserError):
+                log.exception("refusing request %s", command.request_id)
+            ids = sample_ids(command.request_id, command.params.n)
+            return [RequestOutput.aborted(sid, str(exc)) for sid in ids]
+        return [out for out in map(self.add_request, reqs) if out is not None]
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        out = self.abort_request(request_id)
+        return [] if out is None else [out]
 
     def add_request(self, req: Request) -> RequestOutput | None:
         """Queue a request; returns its final output at once if it can never run. A
@@ -126,14 +202,8 @@ class EngineCore:
         self.kv.check_integrity(self.scheduler.running)
 
     def check_idle_integrity(self) -> None:
-        """Raise AssertionError unless, with nothing in flight, every slot is free or the
-        tree's and no lock is held."""
-        if self.has_work:
-            raise AssertionError("requests still in flight")
-        self.kv.check_integrity([])
-        radix = self.kv.radix
-        if radix is not None and radix.protected_tokens:
-            raise AssertionError(f"a lock leaked: {radix.protected_tokens} tokens still locked")
+        """AssertionError unless, with nothing in flight, every slot is free or the tree's."""
+        check_idle(self.state())
 
     def state(self) -> dict:
         """Stats plus a live integrity check, for operators (`/internal/state`) and tests."""

@@ -7,11 +7,14 @@ must run each step's forward together: a rank without work runs an idle forward 
 takes part in the exchanges.
 
 Rank 0 is the engine the front end talks to. `DataParallelCore` stands in for its EngineCore:
-it places each new request on the least-loaded rank and drives rounds. A round is
+it places each new prompt on the least-loaded rank and drives rounds. A round is
 
-    rank 0 broadcasts every rank's commands (add / abort / abort all) and what to do
-    each rank applies its commands, then (a step round) runs one step or an idle forward
-    rank 0 gathers every rank's outputs, whether it has work, and its stats (or state)
+    rank 0 broadcasts a Round: every rank's commands (AddRequest / AbortRequest / AbortAll,
+           the vocabulary of engine/commands.py) and what to do
+    each rank applies its commands exactly as rank 0 applies its own (an AddRequest becomes
+           its requests through the rank's RequestFront, deadlines and queue bound included),
+           then (a step round) runs one step or an idle forward
+    rank 0 gathers every rank's RoundReport: outputs, whether it has work, stats (or state)
 
 Followers run `follow_rounds` until rank 0 closes the run. Invariant: in a step round every
 rank runs exactly one main-model forward, real or idle (speculative decoding, whose drafts
@@ -21,13 +24,13 @@ would add forwards on some ranks only, is refused with data-parallel attention).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from mci.core.outputs import RequestOutput
-from mci.core.request import Request
-from mci.engine.core import EngineCore
+from mci.core.request_ids import sample_ids
+from mci.engine.commands import AbortAll, AbortRequest, AddRequest, Round, RoundReport
+from mci.engine.core import EngineCore, check_idle
 from mci.errors import EngineBroken
 from mci.parallel.context import ParallelContext
 
@@ -39,50 +42,26 @@ STATS_SUMMED = (
     "tree_tokens",
     "tree_locked_tokens",
 )
+RankCommand = AddRequest | AbortRequest | AbortAll
 
 
-@dataclass
-class Round:
-    """What rank 0 broadcasts: each rank's commands and what the round does."""
-
-    commands: list[list[tuple]]
-    step: bool = False
-    state: bool = False  # report state() (integrity checked) instead of stats()
-    close: bool = False
-
-
-@dataclass
-class Report:
-    """What each rank sends back."""
-
-    outputs: list[RequestOutput] = field(default_factory=list)
-    has_work: bool = False
-    stats: dict = field(default_factory=dict)
-
-
-def _apply(core: EngineCore, commands: list[tuple]) -> list[RequestOutput]:
+def _apply(core: EngineCore, commands: list[RankCommand]) -> list[RequestOutput]:
+    """A rank's commands, applied as rank 0 applies its own (AddRequest through the core's
+    RequestFront)."""
     outputs = []
     for command in commands:
-        kind = command[0]
-        if kind == "add":
-            _, rid, prompt_ids, params, priority, remaining, output_ids, text_offset = command
-            deadline = None if remaining is None else time.monotonic() + remaining
-            req = Request(rid, prompt_ids, params, priority, deadline)
-            for token in output_ids:  # a resumed request's output so far
-                req.append_token(token)
-            req.resumed_text_offset = text_offset
-            out = core.add_request(req)
-        elif kind == "abort":
-            out = core.abort_request(command[1])
-        else:  # abort_all
-            outputs += core.abort_all(command[1])
-            continue
-        if out is not None:
-            outputs.append(out)
+        if isinstance(command, AddRequest):
+            outputs += core.add(command)
+        elif isinstance(command, AbortRequest):
+            outputs += core.abort(command.request_id)
+        elif isinstance(command, AbortAll):
+            outputs += core.abort_all(command.error)
+        else:
+            raise TypeError(f"unknown rank command {command!r}")
     return outputs
 
 
-def _run_round(core: EngineCore, model, round_: Round, commands: list[tuple]) -> Report:
+def _run_round(core: EngineCore, model, round_: Round, commands: list[RankCommand]) -> RoundReport:
     """One rank's part of a round (rank 0's too)."""
     outputs = _apply(core, commands)
     if round_.step:
@@ -92,7 +71,7 @@ def _run_round(core: EngineCore, model, round_: Round, commands: list[tuple]) ->
         if core.runner.forwards == before:  # nothing was scheduled here: pair the forward
             model.idle_forward()
     stats = core.state() if round_.state else core.stats()
-    return Report(outputs, core.has_work, stats)
+    return RoundReport(outputs, core.has_work, stats)
 
 
 def follow_rounds(core: EngineCore, model, parallel: ParallelContext) -> None:
@@ -108,8 +87,9 @@ def follow_rounds(core: EngineCore, model, parallel: ParallelContext) -> None:
 
 
 class DataParallelCore:
-    """Rank 0's engine core under data-parallel attention (the interface EngineLoop drives);
-    `local` is rank 0's own EngineCore."""
+    """Rank 0's engine core under data-parallel attention (a `StepCore`, as EngineLoop drives
+    it); `local` is rank 0's own EngineCore. A prompt's samples all run on one rank, the
+    least loaded (they share its prompt's prefix cache)."""
 
     def __init__(self, local: EngineCore, model, parallel: ParallelContext, timeout_s: float):
         self.local = local
@@ -117,16 +97,17 @@ class DataParallelCore:
         self.parallel = parallel
         self._keepalive_s = timeout_s / 3
         world = parallel.world_size
-        self._pending: list[list[tuple]] = [[] for _ in range(world)]
-        self._owner: dict[str, int] = {}  # request id -> rank
-        self._load = [0] * world  # requests in flight per rank
+        # each rank's commands for the next round, with when they were taken (time.monotonic())
+        self._pending: list[list[tuple[RankCommand, float]]] = [[] for _ in range(world)]
+        self._owner: dict[str, int] = {}  # sample id -> rank
+        self._load = [0] * world  # samples in flight per rank
         self._has_work = [False] * world  # the other ranks', as of the last round
         self._stats: list[dict] = [{} for _ in range(world)]
         self._last_round = time.monotonic()
         self._closed = False
         self.broken = False
 
-    # what the engine's assembly and callers read from a core
+    # rank 0's parts, which the Engine shows as its own
     @property
     def scheduler(self):
         return self.local.scheduler
@@ -147,49 +128,36 @@ class DataParallelCore:
     def has_work(self) -> bool:
         return any(self._has_work[1:]) or any(self._pending) or self.local.has_work
 
-    def add_request(self, req: Request) -> RequestOutput | None:
-        rank = min(range(self.parallel.world_size), key=lambda r: (self._load[r], r))
-        self._owner[req.request_id] = rank
-        self._load[rank] += 1
-        if rank == 0:
-            out = self.local.add_request(req)
-            if out is not None:
-                self._finished(out)
-            return out
-        remaining = None if req.deadline is None else req.deadline - time.monotonic()
-        add = (
-            "add",
-            req.request_id,
-            req.prompt_ids,
-            req.params,
-            req.priority,
-            remaining,
-            list(req.output_ids),
-            req.resumed_text_offset,
-        )
-        self._pending[rank].append(add)
-        return None
+    def rank_of(self, sample_id: str) -> int | None:
+        """The rank that runs a sample in flight (None once it has ended)."""
+        return self._owner.get(sample_id)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def add(self, command: AddRequest) -> list[RequestOutput]:
+        rank = min(range(self.parallel.world_size), key=lambda r: (self._load[r], r))
+        ids = sample_ids(command.request_id, command.params.n)
+        for sid in ids:
+            self._owner[sid] = rank
+        self._load[rank] += len(ids)
+        if rank == 0:
+            return self._finished(self.local.add(command))
+        self._pending[rank].append((command, time.monotonic()))
+        return []  # a refused one's outputs come with the next round
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
         rank = self._owner.get(request_id)
         if rank is None:
-            return None
+            return []
         if rank == 0:
-            out = self.local.abort_request(request_id)
-            if out is not None:
-                self._finished(out)
-            return out
-        self._pending[rank].append(("abort", request_id))
-        return None  # its output comes with the next round
+            return self._finished(self.local.abort(request_id))
+        self._pending[rank].append((AbortRequest(request_id), time.monotonic()))
+        return []  # its output comes with the next round
 
     def abort_all(self, error: str) -> list[RequestOutput]:
         for rank in range(1, self.parallel.world_size):
-            self._pending[rank].append(("abort_all", error))
-        outputs = self.local.abort_all(error)
+            self._pending[rank].append((AbortAll(error), time.monotonic()))
+        outputs = self._finished(self.local.abort_all(error))
         if not self._closed:
             outputs += self._round(step=False)
-        for out in outputs:
-            self._finished(out)
         return outputs
 
     def step(self) -> list[RequestOutput]:
@@ -215,14 +183,8 @@ class DataParallelCore:
 
     def check_idle_integrity(self) -> None:
         """AssertionError unless, with nothing in flight on any rank, every slot is free or
-        a tree's and no lock is held."""
-        state = self.state()
-        if state["num_running"] or state["num_waiting"]:
-            raise AssertionError("requests still in flight")
-        if state["free_slots"] + state["tree_tokens"] != state["num_slots"]:
-            raise AssertionError(f"slots leaked: {state}")
-        if state["tree_locked_tokens"]:
-            raise AssertionError(f"a lock leaked: {state['tree_locked_tokens']} tokens")
+        a tree's and no lock is held (one round)."""
+        check_idle(self.state())
 
     def close(self) -> None:
         """Release the other ranks; nothing to send when the run is broken."""
@@ -241,12 +203,14 @@ class DataParallelCore:
     def _round(self, step: bool, state: bool = False) -> list[RequestOutput]:
         if self._closed:
             raise EngineBroken("the data-parallel run is closed")
-        round_ = Round(self._pending, step=step, state=state)
+        now = time.monotonic()
+        commands = [[_aged(c, now - taken) for c, taken in rank] for rank in self._pending]
+        round_ = Round(commands, step=step, state=state)
         self._pending = [[] for _ in self._pending]
         try:
             self._broadcast(round_)
             mine = _run_round(self.local, self.model, round_, [])
-            reports: list[Report] = [None] * self.parallel.world_size
+            reports: list[RoundReport] = [None] * self.parallel.world_size
             dist.gather_object(mine, reports, dst=0, group=self.parallel.group)
         except Exception as exc:
             self._closed = self.broken = True
@@ -258,13 +222,14 @@ class DataParallelCore:
             self._has_work[rank] = report.has_work
             self._stats[rank] = report.stats
             outputs += report.outputs
-        for out in outputs:
-            self._finished(out)
-        return outputs
+        return self._finished(outputs)
 
-    def _finished(self, out: RequestOutput) -> None:
-        if out.finished and out.request_id in self._owner:
-            self._load[self._owner.pop(out.request_id)] -= 1
+    def _finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """`outputs`, after the samples they end are no longer counted on their rank."""
+        for out in outputs:
+            if out.finished and out.request_id in self._owner:
+                self._load[self._owner.pop(out.request_id)] -= 1
+        return outputs
 
     @staticmethod
     def _combined(per_rank: list[dict]) -> dict:
@@ -285,3 +250,9 @@ class DataParallelCore:
             used = sum(r.get("kv_cache_usage", 0) * r.get("num_slots", 0) for r in per_rank)
             combined["kv_cache_usage"] = used / slots
         return combined
+
+
+def _aged(command: RankCommand, elapsed_s: float) -> RankCommand:
+    """A command as it leaves rank 0: an AddRequest's time bounds count from when rank 0
+    took it, not from the round."""
+    return command.aged(elapsed_s) if isinstance(command, AddRequest) else command

@@ -1,13 +1,14 @@
 """`mci.Engine`: the in-process API (generate, add_request, stream, abort, shutdown).
 
-The engine's parts come from `engine_assembly`, prompts become requests through the
-`RequestFront`, and an `EngineLoop` drives the core, on its own background thread or, with
-`background=False`, on the caller's thread inside `generate()`. Callers on any thread (or an
-asyncio loop) talk to the loop through a command inbox and receive `RequestOutput`s through
-per-request sinks. Only the loop's thread touches engine state.
+The engine's parts come from `builder.build_engine`, prompts are checked by its
+`RequestFront` before anything is queued, and an `EngineLoop` drives the core, on its own
+background thread or, with `background=False`, on the caller's thread inside `generate()`.
+Callers on any thread (or an asyncio loop) talk to the loop through a command inbox (the
+vocabulary of engine/commands.py: AddRequest, AbortRequest) and receive `RequestOutput`s
+through per-request sinks. Only the loop's thread touches engine state.
 
-    caller ──add/abort──> QueueInbox ──> EngineLoop: apply commands, core.step(), dispatch
-    caller <──outputs──── per-request sink (callback / asyncio queue) <──────────┘
+    caller ──AddRequest/AbortRequest──> QueueInbox ──> EngineLoop: apply, core.step(), dispatch
+    caller <──outputs────────────────── per-request sink (callback / asyncio queue) <──┘
 """
 
 from __future__ import annotations
@@ -15,23 +16,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from mci.core.outputs import RequestOutput
-from mci.core.request import Request
+from mci.core.request_ids import new_request_id, sample_ids
 from mci.core.sampling_params import SamplingParams
+from mci.engine.builder import build_engine
+from mci.engine.commands import AbortRequest, AddRequest
 from mci.engine.config import EngineConfig
-from mci.engine.loop import (
-    AbortRequest,
-    AddRequests,
-    CallBetweenSteps,
-    EngineLoop,
-    QueueInbox,
-    Sink,
-)
-from mci.engine_assembly import assemble
+from mci.engine.loop import CallBetweenSteps, EngineLoop, QueueInbox, Sink
 from mci.errors import EngineBroken, UserError
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.tokenizer import TextTokenizer
@@ -65,7 +59,7 @@ class Engine:
         background: bool = True,
     ):
         self.config = config or EngineConfig()
-        parts = assemble(self.config, model, tokenizer)
+        parts = build_engine(self.config, model, tokenizer)
         self._parts = parts
         self.model, self.tokenizer, self.front = parts.model, parts.tokenizer, parts.front
         self.core = parts.core
@@ -89,24 +83,42 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         timeout_s: float | None = None,
+        queue_timeout_s: float | None = None,
     ) -> list[str]:
         """Submit a prompt; `sink` receives every output of each of its `params.n` samples.
+        `timeout_s`: aborted (REQUEST_TIMEOUT) that long after submission; `queue_timeout_s`:
+        ended with QUEUE_TIMEOUT if none of its samples is scheduled by then.
 
         Returns the sample request ids (`id` for n = 1, `id-0 .. id-(n-1)` otherwise).
         """
-        base = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        base = request_id or new_request_id("req")
+        command = self.command(base, prompt, params, priority, timeout_s, queue_timeout_s)
+        return self.submit(command, sink)
+
+    def command(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        queue_timeout_s: float | None = None,
+    ) -> AddRequest:
+        """The prompt checked (tokenised, fits the context, constraint compiled) as a command
+        for `submit`; an InvalidParameter here, before anything is queued."""
         ids = self.front.encode(prompt)
         self.front.check_constraint(params)
-        return self.submit_requests(
-            self.front.requests(base, ids, params, priority, timeout_s), sink
+        self.front.check(ids, params)
+        return AddRequest(
+            request_id, ids, params, priority, timeout_s, queue_timeout_s=queue_timeout_s
         )
 
-    def submit_requests(self, reqs: list[Request], sink: Sink) -> list[str]:
-        """Queue requests made by `self.front.requests` (already checked); returns their ids."""
+    def submit(self, command: AddRequest, sink: Sink) -> list[str]:
+        """Queue a checked command (`command()`); returns its sample ids."""
         if self._stopped.is_set():
             raise RuntimeError("engine is shut down")
-        self._inbox.put(AddRequests(reqs, sink))
-        return [r.request_id for r in reqs]
+        self._inbox.put(command, sink)
+        return sample_ids(command.request_id, command.params.n)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (any sample id); its final output reports finish_reason 'abort'."""
@@ -130,28 +142,21 @@ class Engine:
                     done[out.request_id] = out
                     cond.notify_all()
 
-        encoded = [self.front.encode(p) for p in prompts]
-        self.front.check_constraint(params)
-        bases = [f"gen-{next(self._ids)}" for _ in encoded]
-        # every prompt is checked (front.requests) before any is queued
-        planned = [
-            self.front.requests(base, ids, params, 0, timeout_s)
-            for base, ids in zip(bases, encoded, strict=True)
+        # every prompt is checked before any is queued
+        commands = [
+            self.command(f"gen-{next(self._ids)}", p, params, timeout_s=timeout_s) for p in prompts
         ]
-        submitted = [
-            (base, self.submit_requests(reqs, sink))
-            for base, reqs in zip(bases, planned, strict=True)
-        ]
-        wanted = [rid for _, rids in submitted for rid in rids]
+        submitted = [self.submit(command, sink) for command in commands]
+        wanted = [rid for rids in submitted for rid in rids]
         with cond:
             self.run_until(lambda: all(r in done for r in wanted), cond)
         return [
             GenerateResult(
-                base,
-                ids,
+                command.request_id,
+                command.prompt_ids,
                 [done.get(r) or RequestOutput.aborted(r, "engine shut down") for r in rids],
             )
-            for (base, rids), ids in zip(submitted, encoded, strict=True)
+            for command, rids in zip(commands, submitted, strict=True)
         ]
 
     def run_until(self, predicate: Callable[[], bool], cond: threading.Condition) -> None:
@@ -215,10 +220,11 @@ class Engine:
             raise RuntimeError("run_once() is for background=False engines")
         self._loop.run_once(self._inbox)
 
-    def _on_loop_thread(self, fn: Callable[[], object]):
-        """Run `fn` between steps and return its result (or raise): on the loop's thread when
-        one runs; directly when the caller is the loop (a sink, background=False) or the
-        loop has stopped."""
+    def between_steps(self, fn: Callable[[], object]):
+        """Run `fn` between steps and return its result (or raise), for inspection (stats,
+        integrity, where a request runs): on the loop's thread when one runs, after every
+        command queued before it; directly when the caller is the loop (a sink,
+        background=False) or the loop has stopped."""
         if (
             self._thread is None
             or threading.current_thread() is self._thread
@@ -246,19 +252,19 @@ class Engine:
     def stats(self) -> dict:
         """A snapshot for metrics, taken between steps (with background=False: call it from
         the thread that drives the engine)."""
-        return self._on_loop_thread(self.core.stats)
+        return self.between_steps(self.core.stats)
 
     def state(self) -> dict:
         """Stats plus a live integrity check, taken between steps."""
-        return self._on_loop_thread(self.core.state)
+        return self.between_steps(self.core.state)
 
     def check_integrity_now(self) -> None:
         """Assert slot accounting between steps, requests in flight included."""
-        self._on_loop_thread(self.core.check_integrity)
+        self.between_steps(self.core.check_integrity)
 
     def check_idle_integrity(self) -> None:
         """Assert that, with no request in flight, every slot is free or the tree's (tests)."""
-        self._on_loop_thread(self.core.check_idle_integrity)
+        self.between_steps(self.core.check_idle_integrity)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def shutdown(self) -> None:

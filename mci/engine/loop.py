@@ -1,12 +1,14 @@
 """The engine loop: apply commands between steps, step, hand each output to its request's sink.
 
-One loop drives an `EngineCore` wherever it runs: the in-process `Engine`'s background
-thread, its caller's thread (`background=False`), and the main thread of `mci serve`'s engine
-process. They differ only in where commands come from (an `Inbox`) and what a sink does with
-an output (a callback, an asyncio queue, the pipe's outbox).
+One loop drives a `StepCore` wherever it runs: the in-process `Engine`'s background thread,
+its caller's thread (`background=False`), and the main thread of `mci serve`'s engine process.
+They differ only in where commands come from (an `Inbox`) and what a sink does with an output
+(a callback, an asyncio queue, the pipe's outbox). The commands are engine/commands.py's
+vocabulary, each with the sink its outputs go to; `CallBetweenSteps` is the only command that
+never leaves the process (it carries a function).
 
-    inbox.take() ──commands──> apply: add / abort / call
-                               core.step() ──outputs──> sink of each request
+    inbox.take() ──(command, sink)──> apply: add / abort / call
+                                      core.step() ──outputs──> sink of each request
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mci.core.outputs import RequestOutput
-from mci.core.request import Request
-from mci.engine.core import EngineCore
+from mci.core.request_ids import sample_ids
+from mci.engine.commands import AbortRequest, AddRequest
+from mci.engine.core import StepCore
 from mci.errors import EngineBroken
 
 log = logging.getLogger("mci")
@@ -29,32 +32,19 @@ IDLE_WAIT_S = 0.05  # how long an idle loop waits for a command before checking 
 
 
 @dataclass(frozen=True)
-class AddRequests:
-    """Queue these requests (a prompt's samples); `sink` receives every output of each."""
-
-    requests: list[Request]
-    sink: Sink
-
-
-@dataclass(frozen=True)
-class AbortRequest:
-    """Abort a request; its final output reports finish_reason 'abort'."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
 class CallBetweenSteps:
     """Run `fn` on the loop's thread between steps (inspection: stats, integrity checks)."""
 
     fn: Callable[[], None]
 
 
-Command = AddRequests | AbortRequest | CallBetweenSteps
+LoopCommand = AddRequest | AbortRequest | CallBetweenSteps
+# a command and where the outputs it causes go (None: a command without outputs of its own)
+Delivery = tuple[LoopCommand, Sink | None]
 
 
 class Inbox(Protocol):
-    def take(self, wait: bool) -> list[Command]:
+    def take(self, wait: bool) -> list[Delivery]:
         """Commands that arrived since the last call; with `wait`, block briefly for one."""
 
 
@@ -62,40 +52,40 @@ class QueueInbox:
     """Commands from any thread, through a thread-safe queue."""
 
     def __init__(self):
-        self._queue: queue.Queue[Command] = queue.Queue()
+        self._queue: queue.Queue[Delivery] = queue.Queue()
 
-    def put(self, command: Command) -> None:
-        self._queue.put(command)
+    def put(self, command: LoopCommand, sink: Sink | None = None) -> None:
+        self._queue.put((command, sink))
 
-    def take(self, wait: bool) -> list[Command]:
-        commands = []
+    def take(self, wait: bool) -> list[Delivery]:
+        deliveries = []
         try:
-            commands.append(
+            deliveries.append(
                 self._queue.get(timeout=IDLE_WAIT_S) if wait else self._queue.get_nowait()
             )
             while True:
-                commands.append(self._queue.get_nowait())
+                deliveries.append(self._queue.get_nowait())
         except queue.Empty:
             pass
-        return commands
+        return deliveries
 
 
 class EngineLoop:
-    """Drives one `EngineCore`; only the thread running the loop touches engine state.
+    """Drives one `StepCore`; only the thread running the loop touches engine state.
 
-    Invariant: every request added through the loop has a sink until its final output has
+    Invariant: every sample added through the loop has a sink until its final output has
     been handed to it, then none.
     """
 
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: StepCore):
         self.core = core
         self._sinks: dict[str, Sink] = {}
 
     def run_once(self, inbox: Inbox, wait: bool = False, should_stop=None) -> None:
         """Apply the commands waiting in `inbox` (with `wait` and nothing to do, block briefly
         for one), then step once if there is work and the loop is not stopping."""
-        for command in inbox.take(wait and not self.core.has_work):
-            self.apply(command)
+        for command, sink in inbox.take(wait and not self.core.has_work):
+            self.apply(command, sink)
         if should_stop is not None and should_stop():
             return
         if not self.core.has_work:
@@ -119,17 +109,15 @@ class EngineLoop:
             if after_each is not None:
                 after_each()
 
-    def apply(self, command: Command) -> None:
-        if isinstance(command, AddRequests):
-            for req in command.requests:
-                self._sinks[req.request_id] = command.sink
-                out = self.core.add_request(req)
-                if out is not None:
-                    self.dispatch([out])
+    def apply(self, command: LoopCommand, sink: Sink | None = None) -> None:
+        if isinstance(command, AddRequest):
+            if sink is None:
+                raise ValueError(f"request {command.request_id} has nowhere to send outputs")
+            for sid in sample_ids(command.request_id, command.params.n):
+                self._sinks[sid] = sink
+            self.dispatch(self.core.add(command))
         elif isinstance(command, AbortRequest):
-            out = self.core.abort_request(command.request_id)
-            if out is not None:
-                self.dispatch([out])
+            self.dispatch(self.core.abort(command.request_id))
         elif isinstance(command, CallBetweenSteps):
             command.fn()
         else:

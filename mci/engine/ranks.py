@@ -1,4 +1,5 @@
-"""Starting a parallel run: follower rank processes, the rendezvous, per-rank loading.
+"""Starting a parallel run: follower rank processes, the rendezvous, per-rank loading (what
+each rank then builds and runs is engine/builder.py's `follower_main`).
 
 `mci serve --tp-size 2` starts everything on one machine: the engine process is rank 0 and
 spawns ranks 1..W-1 itself. Across machines (`--nnodes`, `--node-rank`, `--dist-init-addr`, as
@@ -17,23 +18,24 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from mci.engine.builder import build_engine_core
-from mci.engine.config import EngineConfig, ParallelConfig
-from mci.engine.dp_attention import follow_rounds
-from mci.engine.sharded_model import ShardedModel, follow
+from mci.engine.config import EngineConfig
+from mci.engine.sharded_model import ShardedModel
 from mci.errors import UserError
 from mci.loopback import free_loopback_port
+from mci.model_config import ModelConfig
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.loader import load_model
+from mci.parallel.config import ParallelConfig
 from mci.parallel.context import ParallelContext, init_process_group
-from mci.tokenizer import TextTokenizer
 
 log = logging.getLogger("mci")
+# a follower rank's life: (config, rank, init_addr, model_config) -> None (engine/builder.py)
+FollowerMain = Callable[[EngineConfig, int, str, ModelConfig | None], None]
 
 
 def _set_threads(par: ParallelConfig, device: str) -> None:
@@ -43,7 +45,8 @@ def _set_threads(par: ParallelConfig, device: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // par.ranks_per_node))
 
 
-def _join(config: EngineConfig, rank: int, init_addr: str) -> ParallelContext:
+def join(config: EngineConfig, rank: int, init_addr: str) -> ParallelContext:
+    """Join the run's process group as `rank` (every rank of every node calls it)."""
     par = config.parallel
     _set_threads(par, config.model.device)
     group = init_process_group(
@@ -60,13 +63,17 @@ def _join(config: EngineConfig, rank: int, init_addr: str) -> ParallelContext:
     )
 
 
-def _load_agreed(config: EngineConfig, parallel: ParallelContext) -> DeepseekV3ForCausalLM:
+def load_agreed(
+    config: EngineConfig, parallel: ParallelContext, model_config: ModelConfig | None = None
+) -> DeepseekV3ForCausalLM:
     """Load this rank's shard; every rank learns whether all of them did (one all-reduce), so
     a bad shard fails the run here, with its reason on the rank that hit it."""
     placement = config.model
     model, error = None, None
     try:
-        model = load_model(placement.model_path, placement.dtype, placement.device, parallel)
+        model = load_model(
+            placement.model_path, placement.dtype, placement.device, parallel, model_config
+        )
     except UserError as exc:
         error = exc
     failed = torch.tensor([0 if model is not None else 1])
@@ -78,29 +85,11 @@ def _load_agreed(config: EngineConfig, parallel: ParallelContext) -> DeepseekV3F
     return model
 
 
-def _follower_main(config: EngineConfig, rank: int, init_addr: str) -> None:
-    logging.basicConfig(
-        level=logging.INFO, format=f"mci[rank {rank}]: %(message)s", stream=sys.stderr
-    )
-    try:
-        parallel = _join(config, rank, init_addr)
-        model = _load_agreed(config, parallel)
-        if parallel.dp_attention:  # its own scheduler and KV cache, stepped by rank 0
-            tokenizer = TextTokenizer.load(config.model.model_path)
-            follow_rounds(build_engine_core(config, model, tokenizer), model, parallel)
-        else:
-            follow(model, parallel)
-        dist.destroy_process_group()
-    except UserError as exc:
-        log.error("%s", exc)
-        sys.exit(2)
-    except Exception as exc:  # noqa: BLE001 - a failed collective: a peer is gone or stuck
-        log.error("rank %d stopping: %s", rank, str(exc).splitlines()[0] if str(exc) else exc)
-        sys.exit(1)
-
-
-def start_followers(config: EngineConfig, init_addr: str) -> list[multiprocessing.Process]:
-    """Spawn this node's follower ranks (every rank of the node but rank 0)."""
+def start_followers(
+    config: EngineConfig, init_addr: str, main: FollowerMain, model_config: ModelConfig | None
+) -> list[multiprocessing.Process]:
+    """Spawn this node's follower ranks (every rank of the node but rank 0), each running
+    `main(config, rank, init_addr, model_config)`."""
     par = config.parallel
     first = par.node_rank * par.ranks_per_node
     ranks = [r for r in range(first, first + par.ranks_per_node) if r != 0]
@@ -108,8 +97,8 @@ def start_followers(config: EngineConfig, init_addr: str) -> list[multiprocessin
     procs = []
     for rank in ranks:
         proc = context.Process(
-            target=_follower_main,
-            args=(config, rank, init_addr),
+            target=main,
+            args=(config, rank, init_addr, model_config),
             name=f"mci-rank-{rank}",
             daemon=True,
         )
@@ -119,17 +108,17 @@ def start_followers(config: EngineConfig, init_addr: str) -> list[multiprocessin
 
 
 def load_sharded(
-    config: EngineConfig,
+    config: EngineConfig, main: FollowerMain, model_config: ModelConfig | None = None
 ) -> tuple[ShardedModel | DeepseekV3ForCausalLM, ParallelContext, list[multiprocessing.Process]]:
-    """Rank 0 (node 0): start this node's followers, join the run, load rank 0's shard. The
-    model is a ShardedModel that drives the followers' shards, or under data-parallel
-    attention rank 0's own model (a DataParallelCore drives the followers)."""
+    """Rank 0 (node 0): start this node's followers (`main`), join the run, load rank 0's
+    shard. The model is a ShardedModel that drives the followers' shards, or under
+    data-parallel attention rank 0's own model (a DataParallelCore drives the followers)."""
     par = config.parallel
     init_addr = par.dist_init_addr or f"127.0.0.1:{free_loopback_port()}"
-    procs = start_followers(config, init_addr)
+    procs = start_followers(config, init_addr, main, model_config)
     try:
-        parallel = _join(config, 0, init_addr)
-        model = _load_agreed(config, parallel)
+        parallel = join(config, 0, init_addr)
+        model = load_agreed(config, parallel, model_config)
     except BaseException:
         for proc in procs:
             proc.kill()
@@ -146,11 +135,3 @@ def load_sharded(
     if parallel.dp_attention:
         return model, parallel, procs
     return ShardedModel(model, parallel, par.dist_timeout), parallel, procs
-
-
-def run_follower_node(config: EngineConfig) -> int:
-    """`mci serve --node-rank K` (K > 0): this node's ranks, until the run ends."""
-    procs = start_followers(config, config.parallel.dist_init_addr)
-    for proc in procs:
-        proc.join()
-    return max((proc.exitcode or 0) for proc in procs) if procs else 0

@@ -1,9 +1,11 @@
 """The one way into the engine: a prompt and its SamplingParams become validated `Request`s.
 
-The in-process `Engine`, the HTTP front end and `mci run-batch` all go through a
+The in-process `Engine`, the HTTP front end and `mci run-batch` all check prompts through a
 `RequestFront`, so a prompt is judged by the same rules everywhere (only the context length
-differs: a server may serve less than the model's). The HTTP front end validates in its own
-process, before admission, and the engine process fans the accepted prompt out into samples.
+differs: a server may serve less than the model's). Callers check before they queue (their
+errors are 400s or exceptions, before anything runs); the engine core then turns each
+`AddRequest` into one `Request` per sample through its own front (`requests`), on every rank
+alike, checking again.
 """
 
 from __future__ import annotations
@@ -12,16 +14,13 @@ import dataclasses
 import time
 
 from mci.core.request import QueueClock, Request, Resume
+from mci.core.request_ids import sample_ids
 from mci.core.sampling_params import SamplingParams
+from mci.engine.commands import AddRequest
 from mci.errors import InvalidParameter
 from mci.grammar.cache import GrammarCache
 from mci.grammar.healing import heal_prompt, healing_constraint
 from mci.tokenizer import TextTokenizer
-
-
-def sample_ids(base: str, n: int) -> list[str]:
-    """Request ids of a prompt's samples: `base` for n = 1, else `base-0 .. base-(n-1)`."""
-    return [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
 
 
 class RequestFront:
@@ -115,44 +114,38 @@ class RequestFront:
             raise InvalidParameter("structured output is not available here", "response_format")
         self.grammar.compile_now(params.constraint)
 
-    def requests(
-        self,
-        base: str,
-        ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        timeout_s: float | None = None,
-        resume: Resume | None = None,
-        queue_deadline: float | None = None,
-    ) -> list[Request]:
+    def requests(self, command: AddRequest) -> list[Request]:
         """One request per sample of a checked prompt; sample i of a seeded request is seeded
-        `seed + i`, so samples differ and each is reproducible. `resume` (n = 1 only): the
-        output to continue from. `queue_deadline` (time.monotonic()): aborted with
-        QUEUE_TIMEOUT if still not scheduled then."""
+        `seed + i`, so samples differ and each is reproducible. `command.resume` (n = 1 only):
+        the output to continue from. The command's time bounds count from now."""
+        ids, params = command.prompt_ids, command.params
         self.check(ids, params)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        clock = None if queue_deadline is None else QueueClock(queue_deadline)
-        timing = {"deadline": deadline, "queue_clock": clock}
+        now = time.monotonic()
+        deadline = None if command.timeout_s is None else now + command.timeout_s
+        queue_s = command.queue_timeout_s
+        # shared by the samples: once one is scheduled, none of them is "queued too long"
+        clock = None if queue_s is None else QueueClock(now + queue_s)
+        timing = {"priority": command.priority, "deadline": deadline, "queue_clock": clock}
+        resume = command.resume
         if resume is not None:
             self.check_resume(params, resume)
-            req = Request(base, ids, params, priority=priority, **timing)
+            req = Request(command.request_id, ids, params, **timing)
             for token in resume.output_ids:
                 req.append_token(token)
             req.resumed_text_offset = resume.text_offset
             return [req]
         if params.n == 1:
-            return [Request(base, ids, params, priority=priority, **timing)]
+            return [Request(command.request_id, ids, params, **timing)]
         # Samples share the prompt: the scheduler defers siblings until the first one's prefill
         # is in the prefix cache, then they reuse it.
         return [
             Request(
-                rid,
+                sid,
                 ids,
                 dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else params.seed + i
                 ),
-                priority=priority,
                 **timing,
             )
-            for i, rid in enumerate(sample_ids(base, params.n))
+            for i, sid in enumerate(sample_ids(command.request_id, params.n))
         ]

@@ -1,4 +1,4 @@
-/* What the CPU kernels' translation units share (mci/kernels/cpu_matvec.py builds them into
+/* What the CPU kernels' translation units share (mci/kernels/build.py builds them into
  * one library): bf16 conversions, the output sink of the matmuls, the vector exp. */
 #ifndef MCI_CPU_KERNELS_H
 #define MCI_CPU_KERNELS_H

@@ -6,13 +6,13 @@ cpu_prefill_attention.c.
 
 At a few rows oneDNN's bf16 matmul is call-overhead and kernel bound, far below the memory
 bandwidth a weight read needs (measured on a 512x512 weight: ~60 us, against ~7 us for this
-kernel with the weight in cache, ~26 us streamed from L3). A single-stream decode step is ~100 such
-calls, so this is where its time went.
+kernel with the weight in cache, ~26 us streamed from L3). A single-stream decode step is
+~100 such calls, so this is where its time went.
 
-The C sources are compiled once per machine with the system's C compiler into a cache folder
-(`$XDG_CACHE_HOME/mci/kernels`, keyed by the source's hash), then loaded with ctypes, which
-releases the GIL during each call. `load()` returns None, and callers keep oneDNN, when the
-CPU lacks AVX512-BF16, there is no C compiler, the build fails, or `MCI_CPU_MATVEC=0`.
+This module is their bindings: the C sources are compiled once per machine (build.py), then
+loaded with ctypes, which releases the GIL during each call. `load()` returns None, and
+callers keep oneDNN, when the CPU lacks AVX512-BF16, there is no C compiler, the build fails,
+or `MCI_CPU_MATVEC=0`.
 
 Results match oneDNN's packed bf16 matmul (float32 sums of exact bf16 products, rounded once
 to nearest even; measured equal on all but a few elements in 10,000, by one bf16 ulp), and a
@@ -23,30 +23,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
-from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from mci.kernels.build import built_library, cpu_flags, cpu_supports
+
 log = logging.getLogger(__name__)
 
-SOURCES = [
-    Path(__file__).with_name(name)
-    for name in ("cpu_matvec.c", "cpu_mla.c", "cpu_moe.c", "cpu_amx.c", "cpu_prefill_attention.c")
-]
-HEADER = Path(__file__).with_name("cpu_kernels.h")
-# -ffp-contract=off: where the C code writes a product and then a sum (rope, the experts'
-# weighted sum), they stay two roundings, as in the torch code they stand in for (explicit
-# fused multiply-add intrinsics elsewhere are unaffected).
-FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
-         "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16"]  # fmt: skip
 # Most rows a call takes the kernels with. A single matmul on a weight in cache favours oneDNN
 # from 4 rows, but in a real decode step (weights streamed from L3/DRAM) the kernels win up to
 # ~12 rows: measured on the `small` model's whole step, alternating in one process, the
@@ -60,7 +48,7 @@ MAX_ROWS = 16
 # one process: median 31.8 ms with up to 16 rows per expert here, 36.8 ms with up to 8).
 EXPERT_MAX_ROWS = 16
 # Most bytes of prefill attention's probabilities P held at once: query rows go through
-# `MatvecLibrary.prefill_attention` in chunks of this size (a 2,048-token chunk of
+# `CpuKernels.prefill_attention` in chunks of this size (a 2,048-token chunk of
 # DeepSeek-V3's 128 heads would otherwise hold 1 GiB).
 PREFILL_PROBS_BYTES = 64 << 20
 # Widest latent (kv_lora_rank) the decode attention kernel takes: cpu_matvec.c's MAX_LATENT
@@ -68,57 +56,23 @@ PREFILL_PROBS_BYTES = 64 << 20
 MAX_LATENT = 1024
 
 
-def _cpu_flags() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
-def _cpu_supports() -> bool:
-    flags = _cpu_flags()
-    return " avx512_bf16" in flags and " avx512bw" in flags
-
-
-def _build(target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *FLAGS, "-o", str(out), *map(str, SOURCES)],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        out.replace(target)  # atomic: concurrent builders each install a complete file
-
-
 @functools.lru_cache(maxsize=1)
-def load() -> MatvecLibrary | None:
+def load() -> CpuKernels | None:
     """The compiled kernels, or None where they cannot run here (see the module docstring)."""
-    if os.environ.get("MCI_CPU_MATVEC", "1") == "0" or not _cpu_supports():
+    if os.environ.get("MCI_CPU_MATVEC", "1") == "0" or not cpu_supports():
         return None
-    code = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
-    digest = hashlib.sha256(code + " ".join(FLAGS).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = cache / "mci" / "kernels" / f"cpu_kernels-{digest}.so"
     try:
-        if not target.exists():
-            _build(target)
-        lib = ctypes.CDLL(str(target))
+        lib = ctypes.CDLL(str(built_library()))
         # AMX only where the CPU has it and the kernel grants this process its tile state
-        amx = " amx_bf16" in _cpu_flags() and lib.mci_amx_init() == 0
-        return MatvecLibrary(lib, amx)
+        amx = " amx_bf16" in cpu_flags() and lib.mci_amx_init() == 0
+        return CpuKernels(lib, amx)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("CPU matvec kernels unavailable (%s); using oneDNN", exc)
+        log.warning("CPU kernels unavailable (%s); using oneDNN", exc)
         return None
 
 
 class MLAWeights(Protocol):
-    """What `MatvecLibrary.mla_decode` reads of an attention layer (bf16 weights, contiguous;
+    """What `CpuKernels.mla_decode` reads of an attention layer (bf16 weights, contiguous;
     mci/layers/attention.py's MultiHeadLatentAttention and its norms)."""
 
     norm: tuple[torch.Tensor, float]  # the layer's input RMSNorm (weight, eps)
@@ -138,7 +92,7 @@ class MLAWeights(Protocol):
 
 
 class MoERouting(Protocol):
-    """What `MatvecLibrary.moe` reads of the router (mci/layers/moe.py's TopKRouter)."""
+    """What `CpuKernels.moe` reads of the router (mci/layers/moe.py's TopKRouter)."""
 
     bias: torch.Tensor  # float32 [E], contiguous
     top_k: int
@@ -148,7 +102,7 @@ class MoERouting(Protocol):
     scaling: float
 
 
-class MatvecLibrary:
+class CpuKernels:
     """Typed entry points of the compiled library. Inputs: bf16 CPU tensors, weights
     contiguous, activations with a unit last-dimension stride."""
 

@@ -6,7 +6,7 @@
  * reaches ~300-400; a 1,056-token prefill spent 101 of its 190 ms in it. Here the scores run on
  * vdpbf16ps (exact bf16 products, float32 sums), the softmax on the same vector exp as the
  * decode kernel, and the caller multiplies P by V with oneDNN's bf16 matmul
- * (MatvecLibrary.prefill_attention in cpu_matvec.py).
+ * (CpuKernels.prefill_attention in cpu_kernels.py).
  *
  * Layouts (bf16 unless noted; G = batch x heads):
  *   q      [G, Q, d], d even, contiguous

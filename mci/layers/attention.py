@@ -87,7 +87,7 @@ def choose_absorbed(cfg: ModelConfig, meta: AttentionMetadata | AttentionGroup) 
 
 @dataclass(frozen=True)
 class _OneCallWeights:
-    """A layer's weights as `cpu_kernels.MatvecLibrary.mla_decode` takes them (its MLAWeights)."""
+    """A layer's weights as `cpu_kernels.CpuKernels.mla_decode` takes them (its MLAWeights)."""
 
     norm: tuple[torch.Tensor, float]
     qkv_a: torch.Tensor
@@ -201,7 +201,7 @@ class MultiHeadLatentAttention(nn.Module):
         kernels = self.kv_a_layernorm.kernels  # the CPU kernels, when the model runs on them
         if kernels is not None and q.dtype == kv_cache.dtype == torch.bfloat16:
             # the same values (the norm within float32 rounding) in two calls instead of ~25
-            # small ops (tests/test_cpu_matvec.py)
+            # small ops (tests/test_cpu_kernels.py)
             q_rope = kernels.rope_heads(q_rope, cos, sin, self.interleave)
             norm = self.kv_a_layernorm
             kernels.write_latent_rows(

@@ -154,7 +154,7 @@ class Linear(nn.Module):
         weight = torch.empty(*lead, self.out_features, in_features, dtype=wdtype)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self._packed: list[torch.Tensor] | None = None  # oneDNN copy, per expert when stacked
-        self.matvec: cpu_kernels.MatvecLibrary | None = None  # skinny-matmul kernels (CPU)
+        self.matvec: cpu_kernels.CpuKernels | None = None  # skinny-matmul kernels (CPU)
         self.fixed_rows: int | None = None  # rows per call, for batch invariance (see above)
         if fp8_block is None:
             return
@@ -217,7 +217,7 @@ class Linear(nn.Module):
         self.fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
 
     def skinny(self, rows: int, limit: int | None = None):
-        """The skinny-matmul kernels (a `cpu_kernels.MatvecLibrary`) when a call of `rows` rows
+        """The skinny-matmul kernels (a `cpu_kernels.CpuKernels`) when a call of `rows` rows
         should use them: packed for the CPU, at most `limit` rows (default
         `cpu_kernels.MAX_ROWS`), and not batch-invariant (that mode keeps one kernel, oneDNN's,
         for every row count); else None."""

@@ -145,7 +145,7 @@ class RoutedExperts(nn.Module):
         self.single_process = parallel.world_size == 1
 
     def pack_for_cpu(self, kernels) -> None:
-        """With the CPU kernels (a `cpu_kernels.MatvecLibrary`, or None), keep AMX-packed
+        """With the CPU kernels (a `cpu_kernels.CpuKernels`, or None), keep AMX-packed
         copies of the experts' weights where the AMX kernels run (one more copy of them)."""
         self.amx = None
         if kernels is None or not kernels.amx or not self.single_process:

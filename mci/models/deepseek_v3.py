@@ -76,7 +76,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(cfg, dtype, parallel) for _ in range(num_mtp))
         self.batch_invariant = False  # see `set_batch_invariant`
         self.skinny_kernels = True  # `pack_for_cpu`'s choice, kept by `set_batch_invariant`
-        self.cpu_kernels: cpu_kernels.MatvecLibrary | None = None  # mci/kernels/, where they run
+        self.cpu_kernels: cpu_kernels.CpuKernels | None = None  # mci/kernels/, where they run
 
     @property
     def num_cache_layers(self) -> int:

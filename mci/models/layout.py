@@ -22,7 +22,6 @@ float32 `weight_scale_inv` of ceil(rows/128) x ceil(cols/128).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from mci.model_config import ModelConfig
@@ -150,8 +149,3 @@ def mtp_prefixes(cfg: ModelConfig) -> list[str]:
     """Name prefixes of the MTP modules: they follow the main layers' numbering."""
     n = cfg.num_hidden_layers
     return [f"model.layers.{n + k}" for k in range(cfg.num_mtp_layers)]
-
-
-def iter_layer_prefixes(cfg: ModelConfig) -> Iterator[str]:
-    for i in range(cfg.num_hidden_layers):
-        yield f"model.layers.{i}"

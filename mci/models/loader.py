@@ -146,13 +146,15 @@ def load_model(
     dtype: str = "auto",
     device: str = "cpu",
     parallel: ParallelContext | None = None,
+    cfg: ModelConfig | None = None,
 ) -> DeepseekV3ForCausalLM:
     """Validate and load the checkpoint at `path`; returns the model in eval mode. With
-    `parallel`, only this rank's part of each tensor is read (mci/parallel/sharding.py)."""
+    `parallel`, only this rank's part of each tensor is read (mci/parallel/sharding.py).
+    `cfg`: the checkpoint's config.json as this process's caller already parsed it."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"model directory {path} does not exist")
-    cfg = load_config(path)
+    cfg = cfg or load_config(path)
     compute_dtype = resolve_dtype(dtype, cfg)
     files = find_weight_files(path)
     headers: dict[str, tuple[tuple[int, ...], str]] = {}

@@ -29,10 +29,11 @@ from ray.exceptions import RayError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from mci.engine.config import EngineConfig, ServerConfig
+from mci.engine.config import EngineConfig
 from mci.loopback import free_loopback_port
 from mci.replicas.replica_process import ReplicaProcess
 from mci.router.app import PROXIED, error_response, read_proxied, retry_delay_s, routing_key
+from mci.server.config import ServerConfig
 
 log = logging.getLogger("mci")
 REPLICA_START_S = 600.0

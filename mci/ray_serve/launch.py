@@ -14,8 +14,11 @@ import logging
 import signal
 import threading
 
-from mci.engine.config import EngineConfig, RayServeConfig, RouterConfig, ServerConfig
+from mci.engine.config import EngineConfig
 from mci.errors import UserError
+from mci.ray_serve.config import RayServeConfig
+from mci.router.config import RouterConfig
+from mci.server.config import ServerConfig
 
 log = logging.getLogger("mci")
 APP_NAME = "mci"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from mci.engine.config import RouterConfig
+from mci.router.config import RouterConfig
 from mci.router.policy import CacheAware
 from mci.router.workers import Worker
 

@@ -7,9 +7,11 @@ import dataclasses
 import os
 import time
 
-from mci.engine.config import EngineConfig, RouterConfig, ServerConfig
+from mci.engine.config import EngineConfig
 from mci.replicas.replica_process import ReplicaProcess
+from mci.router.config import RouterConfig
 from mci.router.launch import run_router
+from mci.server.config import ServerConfig
 
 REPLICA_START_S = 600.0
 

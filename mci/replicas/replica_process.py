@@ -21,8 +21,9 @@ import time
 
 import httpx
 
-from mci.engine.config import EngineConfig, ServerConfig
+from mci.engine.config import EngineConfig
 from mci.errors import UserError
+from mci.server.config import ServerConfig
 
 log = logging.getLogger("mci")
 PARENT_POLL_S = 1.0

@@ -21,12 +21,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mci.engine.config import RouterConfig
+from mci.errors import error_body
+from mci.router.config import RouterConfig
 from mci.router.metrics import RouterMetrics
 from mci.router.policy import make_policy
 from mci.router.resume import StreamRelay
 from mci.router.workers import Worker, WorkerPool
-from mci.server.errors import error_body
 
 log = logging.getLogger("mci")
 

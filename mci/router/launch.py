@@ -7,9 +7,9 @@ import logging
 
 import uvicorn
 
-from mci.engine.config import RouterConfig
 from mci.errors import UserError
 from mci.router.app import Router, build_router_app
+from mci.router.config import RouterConfig
 
 log = logging.getLogger("mci")
 REPLICA_START_S = 600.0

@@ -1,6 +1,8 @@
-"""Offline single-sequence generation: prefill the prompt, then decode one token per step.
+"""One sequence through the model alone: prefill the prompt, then decode one token per step.
 
-This is the simplest driver of the model (the engine batches many sequences; see issue 3).
+The simplest driver of the model, with no scheduler, cache pool or batching: the reference
+the engine's outputs are compared with (tests/test_engine_parity.py, test_parity_hf.py) and
+the model-level decode benchmark's driver. Users run the engine (`mci generate`, `Engine`).
 The sequence owns cache slots 0..L-1, so the metadata for each step is a slice of one arange.
 """
 
@@ -20,7 +22,7 @@ from mci.runner.sampler import sample
 
 
 @dataclass(frozen=True)
-class GenerationResult:
+class SingleSequenceResult:
     """Generated ids (prompt excluded) and the timing of both phases."""
 
     token_ids: list[int]
@@ -29,18 +31,9 @@ class GenerationResult:
     decode_seconds: float
     finish_reason: str  # "stop" (EOS) or "length"
 
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.num_prompt_tokens / max(self.prefill_seconds, 1e-9)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens after the first (which prefill produces) per second of decode steps."""
-        return max(len(self.token_ids) - 1, 0) / max(self.decode_seconds, 1e-9)
-
 
 @torch.inference_mode()
-def generate(
+def decode_single_sequence(
     model: DeepseekV3ForCausalLM,
     prompt_ids: list[int],
     max_new_tokens: int,
@@ -51,7 +44,7 @@ def generate(
     stop_token_ids: tuple[int, ...] = (),
     attention_path: str = "auto",
     grammar: GrammarState | None = None,
-) -> GenerationResult:
+) -> SingleSequenceResult:
     """Generate up to `max_new_tokens` after `prompt_ids`, stopping early at a stop token;
     `grammar` (ready) masks and follows the output (token healing)."""
     if not prompt_ids:
@@ -65,7 +58,7 @@ def generate(
         seed=seed,
         ignore_eos=True,
     )
-    request = Request("generate", list(prompt_ids), params)
+    request = Request("single-sequence", list(prompt_ids), params)
     request.grammar = grammar
 
     def next_token(logits: torch.Tensor) -> torch.Tensor:
@@ -105,4 +98,6 @@ def generate(
         out.append(int(token))
         if out[-1] in stop_token_ids:
             finish = "stop"
-    return GenerationResult(out, len(prompt_ids), prefill_s, time.perf_counter() - start, finish)
+    return SingleSequenceResult(
+        out, len(prompt_ids), prefill_s, time.perf_counter() - start, finish
+    )

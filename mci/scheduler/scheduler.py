@@ -25,7 +25,7 @@ from mci.cache.kv_manager import KVCacheManager
 from mci.core.batch import SampleResult, ScheduledBatch, ScheduledItem
 from mci.core.outputs import QUEUE_TIMEOUT, REQUEST_TIMEOUT, RequestOutput
 from mci.core.request import Request, RequestStatus
-from mci.engine.config import SchedulerConfig
+from mci.scheduler.config import SchedulerConfig
 from mci.scheduler.output_processor import OutputProcessor
 
 log = logging.getLogger("mci")

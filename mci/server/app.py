@@ -19,8 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from mci import __version__
 from mci.core.outputs import RequestOutput
+from mci.core.request_ids import new_request_id
 from mci.core.sampling_params import SamplingParams
-from mci.server import requests as protocol
+from mci.server import requests, responses
 from mci.server.errors import RETRY_AFTER_S, HTTPError, install_error_handlers
 from mci.server.guard import GuardMiddleware
 from mci.server.openai_types import (
@@ -64,10 +65,10 @@ def _admit(state: ServerState, num_samples: int) -> None:
     if state.draining:
         state.metrics.rejected.inc()
         raise HTTPError(503, "server is shutting down", "service_unavailable")
-    if not state.client.ready:
+    if not state.engine.ready:
         state.metrics.rejected.inc()
         raise HTTPError(503, "engine is not running", "service_unavailable")
-    queued = max(0, state.client.num_in_flight - state.max_running)
+    queued = max(0, state.engine.num_in_flight - state.max_running)
     if queued + num_samples > state.config.max_queued_requests:
         state.metrics.rejected.inc()
         raise HTTPError(
@@ -98,7 +99,7 @@ def _prompt_ids(
     healing cannot apply)."""
     asked = heal is not None
     heal = heal if asked else state.config.token_healing
-    with protocol.reported_as(names):
+    with requests.reported_as(names):
         encoded = [state.front.encode(p) for p in prompts]
         healed = [
             state.front.heal(ids, params, asked) if heal else (ids, params) for ids in encoded
@@ -111,7 +112,7 @@ def _prompt_ids(
 async def _check_constraints(state: ServerState, per_prompt: list[SamplingParams], names) -> None:
     """Compile the requests' output constraints (cached) off the event loop: a bad schema,
     regex or grammar is a 400 here, before anything is queued."""
-    with protocol.reported_as(names):
+    with requests.reported_as(names):
         for params in {p.constraint: p for p in per_prompt if p.constraint}.values():
             await asyncio.to_thread(state.front.check_constraint, params)
 
@@ -161,7 +162,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def health():
         """Readiness: an engine is running and making progress (or idle), and the server is
         not draining. 503 while the engine restarts after a crash or a hang."""
-        if state.draining or not state.client.ready:
+        if state.draining or not state.engine.ready:
             return JSONResponse({"status": "unavailable"}, 503)
         return {"status": "ok"}
 
@@ -175,7 +176,7 @@ def build_app(state: ServerState) -> FastAPI:
         """Liveness: this process answers and can still serve. 200 while the engine restarts
         (the server heals itself; restarting the pod would lose the requests kept for the new
         engine); 503 once the restart budget is spent and the engine stays down."""
-        if state.client.gave_up:
+        if state.engine.gave_up:
             return JSONResponse({"status": "engine down for good"}, 503)
         return {"status": "ok"}
 
@@ -186,12 +187,12 @@ def build_app(state: ServerState) -> FastAPI:
     )
     async def health_generate():
         """Generates one token through the engine."""
-        if state.draining or not state.client.ready:
+        if state.draining or not state.engine.ready:
             return JSONResponse({"status": "unavailable"}, 503)
         params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
         ids = [state.model_config.bos_token_id or 0]
         try:
-            sub = Submission(state, protocol.new_id("health"), [ids], params, -1)
+            sub = Submission(state, new_request_id("health"), [ids], params, -1)
         except HTTPError:
             return JSONResponse({"status": "unavailable"}, 503)
         try:
@@ -217,12 +218,12 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/internal/state", include_in_schema=False)
     async def internal_state():
         """Engine stats and a live KV integrity check (operators and tests)."""
-        if not state.client.ready:
+        if not state.engine.ready:
             raise HTTPError(503, "engine is not running", "service_unavailable")
         return {
-            **await state.client.state(),
-            "in_flight": state.client.num_in_flight,
-            "engine_pid": state.client.process.pid,
+            **await state.engine.state(),
+            "in_flight": state.engine.num_in_flight,
+            "engine_pid": state.engine.process.pid,
         }
 
     def model_card() -> dict:
@@ -258,17 +259,17 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", responses=_responses(CompletionResponse, stream=True))
     async def completions(body: CompletionRequest, request: Request):
         _check_model(state, body.model)
-        params = protocol.completion_params(body)
-        texts = protocol.completion_prompts(body)
-        got = _prompt_ids(state, texts, params, protocol.COMPLETION_NAMES, body.token_healing)
-        await _check_constraints(state, got.params, protocol.COMPLETION_NAMES)
+        params = requests.completion_params(body)
+        texts = requests.completion_prompts(body)
+        got = _prompt_ids(state, texts, params, requests.COMPLETION_NAMES, body.token_healing)
+        await _check_constraints(state, got.params, requests.COMPLETION_NAMES)
         prompts = list(zip(texts, got.ids, strict=True))  # as given: what echo repeats
-        with protocol.reported_as(protocol.COMPLETION_NAMES):
-            resume = protocol.resume_of(body, len(prompts))
+        with requests.reported_as(requests.COMPLETION_NAMES):
+            resume = requests.resume_of(body, len(prompts))
             if resume is not None:
                 state.front.check_resume(params, resume)
         _admit(state, len(prompts) * params.n)
-        rid = protocol.new_id("cmpl")
+        rid = new_request_id("cmpl")
         sub = Submission(state, rid, got.computed, got.params, body.priority or 0, resume)
         ctx = StreamContext(
             state,
@@ -285,7 +286,7 @@ def build_app(state: ServerState) -> FastAPI:
             return await streaming_response(stream_completion(ctx), ctx, request)
         finals = await sub.collect(request)
         results = _group(finals, sub, len(prompts), params.n)
-        response = protocol.completion_response(
+        response = responses.completion_response(
             state.model_name, state.tokenizer, prompts, results, params, ctx.echo, rid
         )
         return _with_token_ids(response, results, body.return_token_ids)
@@ -293,19 +294,19 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
-        with protocol.reported_as(protocol.CHAT_NAMES):
+        with requests.reported_as(requests.CHAT_NAMES):
             tools = plan_tools(body.tools, body.tool_choice, state.tool_format)
         reasoning = state.config.reasoning_parser is not None
-        params = protocol.chat_params(body, tools, reasoning, state.think_end_id)
-        ids = protocol.chat_prompt_ids(state.tokenizer, body)
-        got = _prompt_ids(state, [ids], params, protocol.CHAT_NAMES, heal=False)
-        await _check_constraints(state, got.params, protocol.CHAT_NAMES)
-        with protocol.reported_as(protocol.CHAT_NAMES):
-            resume = protocol.resume_of(body, 1)
+        params = requests.chat_params(body, tools, reasoning, state.think_end_id)
+        ids = requests.chat_prompt_ids(state.tokenizer, body)
+        got = _prompt_ids(state, [ids], params, requests.CHAT_NAMES, heal=False)
+        await _check_constraints(state, got.params, requests.CHAT_NAMES)
+        with requests.reported_as(requests.CHAT_NAMES):
+            resume = requests.resume_of(body, 1)
             if resume is not None:
                 state.front.check_resume(params, resume)
         _admit(state, params.n)
-        rid = protocol.new_id("chatcmpl")
+        rid = new_request_id("chatcmpl")
         sub = Submission(state, rid, [ids], params, body.priority or 0, resume)
         if body.stream:
             ctx = StreamContext(
@@ -323,7 +324,7 @@ def build_app(state: ServerState) -> FastAPI:
             return await streaming_response(stream_chat(ctx), ctx, request)
         finals = await sub.collect(request)
         outs = _group(finals, sub, 1, params.n)[0]
-        response = protocol.chat_response(
+        response = responses.chat_response(
             state.model_name, state.tokenizer, len(ids), outs, rid, tools, reasoning
         )
         return _with_token_ids(response, [outs], body.return_token_ids)
@@ -332,26 +333,26 @@ def build_app(state: ServerState) -> FastAPI:
         "/generate",
         responses=_responses(GenerateResponse | list[GenerateResponse], stream=True),
     )
-    async def generate(body: GenerateRequest, request: Request):
+    async def native_generate(body: GenerateRequest, request: Request):
         """SGLang's native API: text or input_ids, sampling_params, stream."""
-        params = protocol.native_params(body.sampling_params)
-        prompts = protocol.generate_prompts(body)
+        params = requests.native_params(body.sampling_params)
+        prompts = requests.generate_prompts(body)
         single = isinstance(body.text, str) or (
             body.input_ids is not None and isinstance(body.input_ids[0], int)
         )
         heal = body.sampling_params.token_healing if body.sampling_params else None
-        got = _prompt_ids(state, prompts, params, protocol.NATIVE_NAMES, heal)
+        got = _prompt_ids(state, prompts, params, requests.NATIVE_NAMES, heal)
         encoded = got.ids  # as given (prompt lengths in the responses)
-        await _check_constraints(state, got.params, protocol.NATIVE_NAMES)
+        await _check_constraints(state, got.params, requests.NATIVE_NAMES)
         _admit(state, len(prompts) * params.n)
-        rid = protocol.new_id("gen")
+        rid = new_request_id("gen")
         sub = Submission(state, rid, got.computed, got.params, body.priority or 0)
         if body.stream:
             ctx = StreamContext(state, sub, rid, list(zip(prompts, encoded)), params)
             return await streaming_response(stream_native(ctx), ctx, request)
         finals = await sub.collect(request)
         results = [
-            protocol.native_response(out, len(encoded[i // params.n]))
+            responses.native_response(out, len(encoded[i // params.n]))
             for i, out in enumerate(
                 o for grp in _group(finals, sub, len(prompts), params.n) for o in grp
             )

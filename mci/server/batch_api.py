@@ -17,9 +17,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from mci.core.outputs import RequestOutput
+from mci.core.request_ids import prompt_request_id
 from mci.engine.engine import Engine
 from mci.errors import UserError
-from mci.server import requests as protocol
+from mci.server import requests, responses
 from mci.server.openai_types import ChatCompletionRequest, CompletionRequest
 
 URLS = ("/v1/completions", "/v1/chat/completions")
@@ -77,26 +78,24 @@ def run_batch(engine: Engine, input_path: Path, output_path: Path, model_name: s
             continue
         try:
             if job.url.endswith("chat/completions"):
-                job.request = protocol.parse(ChatCompletionRequest, job.body)
-                job.params = protocol.chat_params(job.request)
-                texts = [protocol.chat_prompt_ids(engine.tokenizer, job.request)]
-                names = protocol.CHAT_NAMES
+                job.request = requests.parse(ChatCompletionRequest, job.body)
+                job.params = requests.chat_params(job.request)
+                texts = [requests.chat_prompt_ids(engine.tokenizer, job.request)]
+                names = requests.CHAT_NAMES
             else:
-                job.request = protocol.parse(CompletionRequest, job.body)
-                job.params = protocol.completion_params(job.request)
-                texts = protocol.completion_prompts(job.request)
-                names = protocol.COMPLETION_NAMES
+                job.request = requests.parse(CompletionRequest, job.body)
+                job.params = requests.completion_params(job.request)
+                texts = requests.completion_prompts(job.request)
+                names = requests.COMPLETION_NAMES
             if job.request.stream:
                 raise UserError("'stream' is not supported in a batch")
-            with protocol.reported_as(names):  # every prompt is checked before any is queued
-                encoded = [engine.front.encode(p) for p in texts]
-                engine.front.check_constraint(job.params)
-                planned = [
-                    engine.front.requests(f"batch-{i}-{k}", ids, job.params)
-                    for k, ids in enumerate(encoded)
+            with requests.reported_as(names):  # every prompt is checked before any is queued
+                commands = [
+                    engine.command(prompt_request_id(f"batch-{i}", k), p, job.params)
+                    for k, p in enumerate(texts)
                 ]
-            job.prompts = list(zip(texts, encoded, strict=True))
-            job.sample_ids = [engine.submit_requests(reqs, sink) for reqs in planned]
+            job.prompts = [(p, c.prompt_ids) for p, c in zip(texts, commands, strict=True)]
+            job.sample_ids = [engine.submit(command, sink) for command in commands]
         except UserError as exc:
             job.error = str(exc)
         wanted += [r for rids in job.sample_ids for r in rids]
@@ -131,11 +130,11 @@ def run_batch(engine: Engine, input_path: Path, output_path: Path, model_name: s
                 counts["failed"] += 1
             else:
                 if job.url.endswith("chat/completions"):
-                    body = protocol.chat_response(
+                    body = responses.chat_response(
                         model_name, engine.tokenizer, len(job.prompts[0][1]), outs[0]
                     )
                 else:
-                    body = protocol.completion_response(
+                    body = responses.completion_response(
                         model_name,
                         engine.tokenizer,
                         job.prompts,

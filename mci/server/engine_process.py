@@ -1,9 +1,9 @@
 """The engine process: scheduler and model in the main thread of their own process.
 
 The HTTP front end never runs model code, so request parsing and streaming never stall a
-step, and the model loop keeps torch's thread pool on the main thread (see mci.engine.engine). The
-same `EngineLoop` as the in-process engine drives it; its commands come from the pipe
-(`PipeInbox`, messages in `server/messages.py`) and its outputs go back in batches.
+step, and the model loop keeps torch's thread pool on the main thread (see mci/engine/engine.py).
+The same `EngineLoop` as the in-process engine drives it; its commands come from the pipe
+(`PipeInbox`: the vocabulary of engine/commands.py) and its outputs go back in batches.
 
 The engine exits when the pipe closes: a dead front end never leaves an orphan behind.
 """
@@ -18,19 +18,12 @@ import time
 from multiprocessing.connection import Connection
 
 from mci.core.outputs import RequestOutput
-from mci.engine import commands as messages
+from mci.engine import commands
+from mci.engine.builder import EngineParts, build_engine
 from mci.engine.config import EngineConfig
-from mci.engine.loop import (
-    IDLE_WAIT_S,
-    AbortRequest,
-    AddRequests,
-    CallBetweenSteps,
-    Command,
-    EngineLoop,
-)
-from mci.engine.request_front import sample_ids
-from mci.engine_assembly import EngineParts, assemble
+from mci.engine.loop import IDLE_WAIT_S, CallBetweenSteps, Delivery, EngineLoop
 from mci.errors import EngineBroken, UserError
+from mci.model_config import ModelConfig
 from mci.process_tuning import freeze_startup_objects
 
 log = logging.getLogger("mci")
@@ -49,45 +42,28 @@ class PipeInbox:
         self.last_sent = time.monotonic()
         self.shutdown_asked = False  # ... because the front end asked (it is still listening)
 
-    def take(self, wait: bool) -> list[Command]:
-        commands: list[Command] = []
+    def take(self, wait: bool) -> list[Delivery]:
+        deliveries: list[Delivery] = []
         timeout = IDLE_WAIT_S if wait else 0
         try:
             while not self.stop and self.conn.poll(timeout):
                 timeout = 0
-                command = self._command(self.conn.recv())
-                if command is not None:
-                    commands.append(command)
+                delivery = self._delivery(self.conn.recv())
+                if delivery is not None:
+                    deliveries.append(delivery)
         except (EOFError, OSError):
             log.info("front end gone; engine exiting")
             self.stop = True
-        return commands
+        return deliveries
 
-    def _command(self, msg) -> Command | None:
-        if isinstance(msg, messages.AddRequest):
-            try:
-                reqs = self.parts.front.requests(
-                    msg.request_id,
-                    msg.prompt_ids,
-                    msg.params,
-                    msg.priority,
-                    msg.timeout_s,
-                    msg.resume,
-                    msg.queue_deadline,
-                )
-            except Exception as exc:  # noqa: BLE001 - a bad request never kills the engine
-                if not isinstance(exc, UserError):
-                    log.exception("rejecting request %s", msg.request_id)
-                rejected = sample_ids(msg.request_id, msg.params.n)
-                self.send(messages.Rejected(rejected, str(exc)))
-                return None
-            return AddRequests(reqs, self.outbox.append)
-        if isinstance(msg, messages.AbortRequest):
-            return AbortRequest(msg.sample_id)
-        if isinstance(msg, messages.StateQuery):  # answered in order with the commands before it
+    def _delivery(self, msg) -> Delivery | None:
+        if isinstance(msg, (commands.AddRequest, commands.AbortRequest)):
+            return msg, self.outbox.append
+        if isinstance(msg, commands.StateQuery):  # answered in order with the commands before it
             core = self.parts.core
-            return CallBetweenSteps(lambda: self.send(messages.StateReply(msg.token, core.state())))
-        if isinstance(msg, messages.Shutdown):
+            reply = lambda: self.send(commands.StateReply(msg.token, core.state()))  # noqa: E731
+            return CallBetweenSteps(reply), None
+        if isinstance(msg, commands.Shutdown):
             self.stop = self.shutdown_asked = True
             return None
         log.error("ignoring an unknown message from the front end: %r", msg)
@@ -104,25 +80,26 @@ class PipeInbox:
         """Send the outputs gathered since the last flush, with fresh stats; or, when nothing
         was sent for HEARTBEAT_S, a heartbeat (the loop runs at least every IDLE_WAIT_S)."""
         if self.outbox:
-            self.send(messages.Outputs(list(self.outbox), self.parts.core.stats()))
+            self.send(commands.Outputs(list(self.outbox), self.parts.core.stats()))
             self.outbox.clear()  # the sinks hold this list's append
         elif time.monotonic() - self.last_sent > HEARTBEAT_S:
-            self.send(messages.Heartbeat(self.parts.core.stats()))
+            self.send(commands.Heartbeat(self.parts.core.stats()))
 
 
-def engine_main(config: EngineConfig, conn: Connection) -> None:
-    """Entry point of the engine process."""
+def engine_main(config: EngineConfig, model_config: ModelConfig, conn: Connection) -> None:
+    """Entry point of the engine process; `model_config`: config.json as the front end parsed
+    it (the engine does not read it again)."""
     logging.basicConfig(level=logging.INFO, format="mci[engine]: %(message)s", stream=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        parts = assemble(config)
+        parts = build_engine(config, model_config=model_config)
     except UserError as exc:
-        conn.send(messages.Failed(str(exc)))
+        conn.send(commands.Failed(str(exc)))
         return
     info = {"pid": os.getpid(), "weight_bytes": parts.model.weight_bytes(), **parts.core.stats()}
     freeze_startup_objects()
-    conn.send(messages.Ready(info))
+    conn.send(commands.Ready(info))
     inbox = PipeInbox(conn, parts)
     loop = EngineLoop(parts.core)
     try:

@@ -1,10 +1,11 @@
-"""The front end's handle on the engine process: submit, abort, receive, health, restarts.
+"""The front end's handle on the engine process: start, submit, abort, health, restarts.
 
-A reader thread receives the engine's messages and hands each output to its request's
-asyncio queue (thread-safe).
+`EngineSupervisor` owns the engine process and its pipe; what is in flight lives in its
+`InFlightTable` (server/in_flight.py). A reader thread receives the engine's messages and
+hands each output to its request's asyncio queue through the table.
 
-If the engine process dies (a crash, an out-of-memory kill, a broken parallel run) the client
-restarts it, with backoff, up to `max_restarts` times in `RESTART_WINDOW_S`:
+If the engine process dies (a crash, an out-of-memory kill, a broken parallel run) the
+supervisor restarts it, with backoff, up to `max_restarts` times in `RESTART_WINDOW_S`:
 
 * a request none of whose samples has received any output yet is kept and sent again to the
   new engine: its client never notices (beyond the delay);
@@ -28,8 +29,8 @@ request that wedges the engine cannot spend the whole restart budget. Before dec
 the watchdog checks the pipe: a front end too busy to read is not a silent engine.
 
 No request waits forever: one still unscheduled at its queue deadline ends with
-QUEUE_TIMEOUT, in the engine or, while no engine runs, here (requests kept for a restarted
-engine count as queued again).
+QUEUE_TIMEOUT, in the engine or, while no engine runs, here. A request sent again to a new
+engine keeps its bounds: they count from when it was first sent.
 """
 
 from __future__ import annotations
@@ -42,14 +43,14 @@ import threading
 import time
 from collections import deque
 
-from mci.core.outputs import QUEUE_TIMEOUT, RequestOutput
-from mci.core.request import Resume
-from mci.core.sampling_params import SamplingParams
-from mci.engine import commands as messages
+from mci.core.outputs import QUEUE_TIMEOUT
+from mci.engine import commands
+from mci.engine.commands import AddRequest
 from mci.engine.config import EngineConfig
-from mci.engine.request_front import sample_ids
 from mci.errors import UserError
+from mci.model_config import ModelConfig
 from mci.server.engine_process import engine_main
+from mci.server.in_flight import InFlightTable
 
 log = logging.getLogger("mci")
 
@@ -75,34 +76,32 @@ class EngineDied(RuntimeError):
     """The engine process is gone."""
 
 
-class EngineClient:
+class EngineSupervisor:
     """Starts (and restarts) the engine process and multiplexes requests over its pipe."""
 
     def __init__(
         self,
         config: EngineConfig,
+        model_config: ModelConfig,
         start_timeout_s: float = 600,
         max_restarts: int = 5,
         watchdog_timeout_s: float | None = None,
     ):
         self._config = config
+        self._model_config = model_config
         self._start_timeout_s = start_timeout_s
         self.max_restarts = max_restarts
         self.watchdog_timeout_s = watchdog_timeout_s  # None: derived (`watchdog_limit_s`)
+        self.in_flight = InFlightTable()
         self.restarts = 0  # engine restarts since the server started (a metric)
         self.hangs = 0  # engines killed by the watchdog (a metric)
         self._hung = False  # the current engine was declared hung
-        self._hang_survivors: set[str] = set()  # requests resent after a hang
         self._longest_step_s = 0.0  # over every engine generation
         self.gave_up = False  # the restart budget is spent: the engine stays down
         self._last_heard = time.monotonic()  # the engine's last message
         self._recent_restarts: deque[float] = deque()
-        self._lock = threading.Lock()  # engine generation, submissions
+        self._lock = threading.Lock()  # engine generation, liveness, submissions
         self._send_lock = threading.Lock()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._submissions: dict[str, messages.AddRequest] = {}  # in flight, by request id
-        self._samples: dict[str, list[str]] = {}  # request id -> its samples still in flight
-        self._started: set[str] = set()  # request ids with output delivered
         self._state_waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._tokens = itertools.count()
         self._closing = False
@@ -120,7 +119,10 @@ class EngineClient:
         # Not a daemon: in a parallel run the engine (rank 0) starts the other ranks itself.
         # It never outlives us: it exits when this pipe closes (mci.server.engine_process).
         process = ctx.Process(
-            target=engine_main, args=(self._config, child), daemon=False, name="mci-engine"
+            target=engine_main,
+            args=(self._config, self._model_config, child),
+            daemon=False,
+            name="mci-engine",
         )
         process.start()
         child.close()
@@ -133,14 +135,14 @@ class EngineClient:
             process.join(5)
             code = process.exitcode
             raise UserError(f"engine process exited while starting (code {code})") from None
-        if isinstance(msg, messages.Failed):
+        if isinstance(msg, commands.Failed):
             process.join(5)
             raise UserError(msg.message)
         with self._lock:
-            kept = list(self._submissions.values())
+            kept = self.in_flight.to_resend()
             try:
-                for request in kept:
-                    conn.send(request)
+                for command in kept:
+                    conn.send(command)
             except (OSError, BrokenPipeError):
                 process.kill()
                 process.join(5)
@@ -164,7 +166,7 @@ class EngineClient:
         self._reader = reader
 
     # ---- sending ------------------------------------------------------------------------------
-    def _send(self, msg: object) -> None:
+    def _send(self, msg: commands.Command) -> None:
         if not self.alive:
             raise EngineDied("the engine process is not running")
         try:
@@ -174,60 +176,33 @@ class EngineClient:
             raise EngineDied("the engine process is not running") from exc
 
     def submit(
-        self,
-        rid: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        timeout_s: float | None = None,
-        queue: asyncio.Queue | None = None,
-        resume: Resume | None = None,
-        queue_timeout_s: float | None = None,
+        self, command: AddRequest, queue: asyncio.Queue | None = None
     ) -> list[tuple[str, asyncio.Queue]]:
-        """Queue a request; returns (sample id, output queue) per sample (n of them).
-
-        Sample ids follow the engine's rule (`sample_ids`). Pass `queue` to receive every
-        sample's outputs on one queue. `queue_timeout_s`: it ends with QUEUE_TIMEOUT if not
-        scheduled by then (across engine restarts too).
-        """
-        loop = asyncio.get_running_loop()
-        ids = sample_ids(rid, params.n)
-        queue_deadline = None if queue_timeout_s is None else time.monotonic() + queue_timeout_s
-        msg = messages.AddRequest(
-            rid, prompt_ids, params, priority, timeout_s, resume, queue_deadline
-        )
-        out = []
+        """Send a checked prompt; returns (sample id, output queue) per sample (n of them).
+        Pass `queue` to receive every sample's outputs on one queue. Its time bounds hold
+        across engine restarts."""
         with self._lock:
             if not self.ready:
                 raise EngineDied("the engine process is not running")
-            for sid in ids:
-                q: asyncio.Queue = queue or asyncio.Queue()
-                self._queues[sid] = (loop, q)
-                out.append((sid, q))
-            self._submissions[rid] = msg
-            self._samples[rid] = list(ids)
+            out = self.in_flight.add(command, queue)
         try:
-            self._send(msg)
+            self._send(command)
         except EngineDied:
-            with self._lock:
-                self._forget(rid)
+            self.in_flight.forget(command.request_id)
             raise
         return out
 
     def abort(self, sample_id: str) -> None:
-        if sample_id not in self._queues:
+        if sample_id not in self.in_flight:
             return
         if self.alive:
             try:
-                self._send(messages.AbortRequest(sample_id))
+                self._send(commands.AbortRequest(sample_id))
                 return
             except EngineDied:
                 pass
         # no engine to abort it in (it reloads): drop it, so it is not sent again
-        with self._lock:
-            rid = self._request_of(sample_id)
-            if rid is not None:
-                self._forget(rid)
+        self.in_flight.forget_sample(sample_id)
 
     async def state(self, timeout_s: float = 10) -> dict:
         """The engine's stats plus a live integrity check of its slot accounting."""
@@ -236,14 +211,14 @@ class EngineClient:
         fut = loop.create_future()
         self._state_waiters[token] = (loop, fut)
         try:
-            self._send(messages.StateQuery(token))
+            self._send(commands.StateQuery(token))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._state_waiters.pop(token, None)
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._queues)
+        return len(self.in_flight)
 
     @property
     def ready(self) -> bool:
@@ -267,60 +242,18 @@ class EngineClient:
                 self._on_death(generation)
                 return
             self._last_heard = time.monotonic()
-            if isinstance(msg, messages.Heartbeat):
+            if isinstance(msg, commands.Heartbeat):
                 self.stats = msg.stats
-            elif isinstance(msg, messages.Outputs):
+            elif isinstance(msg, commands.Outputs):
                 self.stats = msg.stats
-                self._deliver(msg.outputs)
-            elif isinstance(msg, messages.Rejected):
-                self._deliver([RequestOutput.aborted(sid, msg.message) for sid in msg.sample_ids])
-            elif isinstance(msg, messages.StateReply):
+                self.in_flight.deliver(msg.outputs)
+            elif isinstance(msg, commands.StateReply):
                 entry = self._state_waiters.get(msg.token)
                 if entry:
                     loop, fut = entry
                     loop.call_soon_threadsafe(
                         lambda f=fut, s=msg.state: f.done() or f.set_result(s)
                     )
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand outputs to their queues: one wake-up of each event loop per engine message,
-        not one per output (a step of 32 requests is one syscall, not 32)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        with self._lock:
-            for out in outputs:
-                entry = self._queues.get(out.request_id)
-                if entry is None:
-                    continue
-                rid = self._request_of(out.request_id)
-                if rid is not None:
-                    self._started.add(rid)
-                if out.finished:
-                    self._queues.pop(out.request_id, None)
-                    if rid is not None:
-                        samples = self._samples[rid]
-                        samples.remove(out.request_id)
-                        if not samples:
-                            self._forget(rid)
-                loop, q = entry
-                by_loop.setdefault(loop, []).append((q, out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the loop is closed (shutting down)
-                pass
-
-    def _request_of(self, sample_id: str) -> str | None:
-        if sample_id in self._samples:
-            return sample_id
-        rid = sample_id.rpartition("-")[0]
-        return rid if rid in self._samples else None
-
-    def _forget(self, rid: str) -> None:
-        for sid in self._samples.pop(rid, []):
-            self._queues.pop(sid, None)
-        self._submissions.pop(rid, None)
-        self._started.discard(rid)
-        self._hang_survivors.discard(rid)
 
     # ---- death and restarts -------------------------------------------------------------------
     def _on_death(self, generation: int) -> None:
@@ -332,29 +265,19 @@ class EngineClient:
         process.join(timeout=5)  # reap it: an exited engine is no zombie
         restart = not self._closing and self._may_restart()
         self.gave_up = not restart and not self._closing
-        with self._lock:
-            failed = [rid for rid in self._submissions if not restart or rid in self._started]
-            twice = []
-            if restart and self._hung:
-                twice = [
-                    rid
-                    for rid in self._submissions
-                    if rid in self._hang_survivors and rid not in self._started
-                ]
-                self._hang_survivors.update(self._submissions)
-            failing = [sid for rid in failed for sid in self._samples.get(rid, [])]
-            failing_twice = [sid for rid in twice for sid in self._samples.get(rid, [])]
-            kept = len(self._submissions) - len(failed) - len(twice)
+        ended = self.in_flight.settle_death(restart, self._hung)
         if not self._closing:
             log.error(
-                "engine process exited (code %s); failing %d request(s) that had started, %s",
+                "engine process exited (code %s); failing %d sample(s) that had started, %s",
                 process.exitcode,
-                len(failed),
-                f"retrying {kept} after a restart" if restart else "no restart left",
+                len(ended.failed),
+                f"retrying {ended.num_kept} request(s) after a restart"
+                if restart
+                else "no restart left",
             )
         reason = (HUNG if self._hung else RESTARTED) if restart else ENGINE_DIED
-        self._deliver([RequestOutput.aborted(sid, reason) for sid in failing])
-        self._deliver([RequestOutput.aborted(sid, HUNG_TWICE) for sid in failing_twice])
+        self.in_flight.fail(ended.failed, reason)
+        self.in_flight.fail(ended.failed_twice, HUNG_TWICE)
         for loop, fut in list(self._state_waiters.values()):
             loop.call_soon_threadsafe(
                 lambda f=fut: f.done() or f.set_exception(EngineDied("engine restarting"))
@@ -392,22 +315,13 @@ class EngineClient:
         process.kill()  # its pipe closes: the reader takes the death (and restart) path
 
     def _expire_queued(self) -> None:
-        """While no engine runs, end the requests kept for the next one whose queue deadline
+        """While no engine runs, end the requests kept for the next one whose queue bound
         passed (a running engine expires its own)."""
         if self.ready:
             return
-        now = time.monotonic()
-        with self._lock:
-            expired = [
-                sid
-                for rid, msg in self._submissions.items()
-                if msg.queue_deadline is not None
-                and msg.queue_deadline < now
-                and rid not in self._started
-                for sid in self._samples.get(rid, [])
-            ]
+        expired = self.in_flight.past_queue_bound()
         if expired:
-            self._deliver([RequestOutput.aborted(sid, QUEUE_TIMEOUT) for sid in expired])
+            self.in_flight.fail(expired, QUEUE_TIMEOUT)
 
     def _may_restart(self) -> bool:
         now = time.monotonic()
@@ -439,16 +353,14 @@ class EngineClient:
 
     def _give_up(self) -> None:
         self.gave_up = True
-        with self._lock:
-            failing = [sid for samples in self._samples.values() for sid in samples]
         log.error("engine restart budget spent; the engine stays down")
-        self._deliver([RequestOutput.aborted(sid, ENGINE_DIED) for sid in failing])
+        self.in_flight.fail(self.in_flight.all_samples(), ENGINE_DIED)
 
     def shutdown(self, timeout_s: float = 10) -> None:
         self._closing = True
         if self.alive:
             try:
-                self._send(messages.Shutdown())
+                self._send(commands.Shutdown())
             except EngineDied:
                 pass
         self.process.join(timeout_s)
@@ -459,8 +371,3 @@ class EngineClient:
         deadline = time.monotonic() + 2
         while self._reader.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mci.errors import InvalidParameter, UserError
+from mci.errors import InvalidParameter, UserError, error_body
 
 log = logging.getLogger("mci")
 
@@ -39,10 +39,6 @@ class HTTPError(Exception):
 RETRY_AFTER_S = "1"  # the Retry-After of a 429 (queue full) or a 503 (waited too long)
 
 
-def error_body(message: str, type_: str, param=None, code=None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def error_response(exc: HTTPError) -> Response:
     # ASCII-escaped JSON: a message may quote the client's own bad text (a lone surrogate in
     # a field name), which must not turn the error into a failure to encode it
@@ -52,7 +48,7 @@ def error_response(exc: HTTPError) -> Response:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error of `app` with an OpenAI error body."""
-    # imported here: protocol imports the tokenizer and engine types, errors must stay light
+    # imported here: requests imports the tokenizer and engine types, errors must stay light
     from mci.server.requests import from_validation_errors
 
     def invalid(exc: InvalidParameter) -> Response:

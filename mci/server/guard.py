@@ -5,8 +5,9 @@ from __future__ import annotations
 import hmac
 import json
 
-from mci.engine.config import ServerConfig
-from mci.server.errors import HTTPError, error_body
+from mci.errors import error_body
+from mci.server.config import ServerConfig
+from mci.server.errors import HTTPError
 
 # probes and the API's own description need no API key
 OPEN_PATHS = ("/health", "/health_generate", "/metrics", "/openapi.json", "/docs", "/redoc")

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import uvicorn
 
-from mci.engine.config import EngineConfig, ServerConfig
+from mci.engine.builder import run_follower_node
+from mci.engine.config import EngineConfig
 from mci.errors import UserError
 from mci.model_config import load_config
 from mci.process_tuning import freeze_startup_objects
 from mci.server.app import build_app
-from mci.server.engine_supervisor import EngineClient
+from mci.server.config import ServerConfig
+from mci.server.engine_supervisor import EngineSupervisor
 from mci.server.state import ServerState
 from mci.tokenizer import TextTokenizer
 
@@ -39,7 +41,7 @@ class DrainingServer(uvicorn.Server):
             self.state.draining = True
             log.info(
                 "SIGTERM: draining %d requests (up to %.0fs)",
-                self.state.client.num_in_flight,
+                self.state.engine.num_in_flight,
                 self.state.config.drain_timeout,
             )
             threading.Thread(target=self._drain, daemon=True).start()
@@ -48,7 +50,7 @@ class DrainingServer(uvicorn.Server):
 
     def _drain(self) -> None:
         deadline = time.monotonic() + self.state.config.drain_timeout
-        while self.state.client.num_in_flight and time.monotonic() < deadline:
+        while self.state.engine.num_in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         self.should_exit = True
 
@@ -58,30 +60,23 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     if not path.is_dir():
         raise UserError(f"model directory {path} does not exist")
     if engine_config.parallel.node_rank > 0:  # a multi-node run's other machines compute only
-        from mci.engine.ranks import run_follower_node
-
         return run_follower_node(engine_config)
     if server_config.dp_size != 1:
         raise UserError("--dp-size N > 1 is served by mci.replicas.launch (mci serve)")
-    model_config = load_config(path)
+    model_config = load_config(path)  # the only read of config.json: the engine gets this one
     tokenizer = TextTokenizer.load(path)
-    if server_config.context_length is not None and not (
-        0 < server_config.context_length <= model_config.max_position_embeddings
-    ):
+    if (server_config.context_length or 0) > model_config.max_position_embeddings:
         raise UserError(f"--context-length must be in 1..{model_config.max_position_embeddings}")
-    if server_config.watchdog_timeout is not None and server_config.watchdog_timeout < 1:
-        raise UserError("--watchdog-timeout must be >= 1 second (the engine beats every 0.5 s)")
-    if server_config.max_queue_time is not None and server_config.max_queue_time < 0:
-        raise UserError("--max-queue-time must be >= 0 (0: no bound)")
-    client = EngineClient(
+    engine = EngineSupervisor(
         engine_config,
+        model_config,
         max_restarts=server_config.max_engine_restarts,
         watchdog_timeout_s=server_config.watchdog_timeout,
     )
-    info = client.info
+    info = engine.info
     name = server_config.served_model_name or path.name
     state = ServerState(
-        client,
+        engine,
         tokenizer,
         model_config,
         server_config,
@@ -116,7 +111,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     try:
         server.run()
     finally:
-        client.shutdown()
+        engine.shutdown()
     if not server.started:
         raise UserError(f"could not listen on {server_config.host}:{server_config.port}")
     log.info("stopped")

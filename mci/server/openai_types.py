@@ -2,7 +2,7 @@
 
 Requests are strict (a JSON int is accepted for a float, nothing else is coerced) and forbid
 unknown fields: every accepted field either takes effect or is rejected with a 400 that names
-it (`protocol.py` rejects the declared-but-unsupported ones). Fields accepted and ignored,
+it (`requests.py` rejects the declared-but-unsupported ones). Fields accepted and ignored,
 because they cannot change the output: `user`, `metadata`, `store`, `parallel_tool_calls`.
 Response models document what handlers return; handlers build plain dicts (no per-response
 validation cost), and the contract is checked by fuzzing the live server (tests/test_fuzz.py).

@@ -1,5 +1,5 @@
-"""OpenAI API semantics over the typed requests: request models -> (prompts, SamplingParams),
-engine results -> response bodies. Shared by the HTTP server and `mci run-batch`.
+"""OpenAI API semantics of requests: request models -> (prompts, SamplingParams, resume).
+Shared by the HTTP server and `mci run-batch`; responses.py turns results into bodies.
 
 Types and unknown fields are checked by the pydantic models (`openai_types.py`); this module
 adds the rules between fields and the features not built yet, each a 400 naming the field.
@@ -9,14 +9,11 @@ Value ranges are SamplingParams' own checks, reported under the API's name for t
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from pydantic import BaseModel, ValidationError
 
-from mci.core.outputs import RequestOutput
 from mci.core.request import Resume
 from mci.core.sampling_params import SamplingParams
 from mci.errors import InvalidParameter
@@ -28,8 +25,7 @@ from mci.server.openai_types import (
     GenerateRequest,
     NativeSamplingParams,
 )
-from mci.server.reasoning import split_reasoning
-from mci.server.tool_calls import ToolPlan, parse_calls
+from mci.server.tool_calls import ToolPlan
 from mci.tokenizer import TextTokenizer
 
 
@@ -328,191 +324,6 @@ def chat_prompt_ids(tokenizer: TextTokenizer, req: ChatCompletionRequest) -> lis
     # the template shows the tools whatever tool_choice is (mci.server.tool_calls)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     return tokenizer.encode_chat(messages, tools=tools)
-
-
-# ---- responses --------------------------------------------------------------------------------
-def finish_reason(out: RequestOutput) -> str | None:
-    """OpenAI's finish_reason: None until the end, then "length" or "stop" (an abort that
-    reaches a response body is reported as a stop; errors have their own body)."""
-    if not out.finished:
-        return None
-    return "length" if out.finish_reason == "length" else "stop"
-
-
-def native_finish_reason(out: RequestOutput) -> dict | None:
-    """SGLang's meta_info.finish_reason: the same rule, with what matched."""
-    reason = finish_reason(out)
-    return None if reason is None else {"type": reason, "matched": out.stop_reason}
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def echo_text(tokenizer: TextTokenizer, prompt: str | list[int], ids: list[int]) -> str:
-    """The prompt as echoed: the caller's text, or the decoded token ids."""
-    return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
-
-
-def completion_logprobs(
-    tokenizer: TextTokenizer, token_ids: list[int], logprobs: list, text_offset: int = 0
-) -> tuple[dict, int]:
-    """Completion-style `logprobs` for these tokens, whose text starts at `text_offset` in the
-    choice's text; returns it and the offset after them. Entries of `logprobs` may be None
-    (the first prompt token has no logprob)."""
-    tokens, offsets = [], []
-    for t in token_ids:
-        offsets.append(text_offset)
-        tokens.append(tokenizer.decode([t], skip_special_tokens=False))
-        text_offset += len(tokenizer.decode([t]))
-    body = {
-        "tokens": tokens,
-        "token_logprobs": [None if e is None else e[0] for e in logprobs],
-        "top_logprobs": [
-            None
-            if e is None
-            else {tokenizer.decode([i], skip_special_tokens=False): v for i, v in e[1]}
-            for e in logprobs
-        ],
-        "text_offset": offsets,
-    }
-    return body, text_offset
-
-
-def echo_logprobs(tokenizer: TextTokenizer, ids: list[int], out: RequestOutput) -> dict | None:
-    """Prompt logprobs of an echoed prompt (None when the prompt was not scored)."""
-    if out.prompt_logprobs is None:
-        return None
-    return completion_logprobs(tokenizer, ids, out.prompt_logprobs)[0]
-
-
-def _join_logprobs(first: dict | None, second: dict | None) -> dict | None:
-    if first is None or second is None:
-        return first or second
-    return {key: first[key] + second[key] for key in first}
-
-
-def completion_response(
-    model: str,
-    tokenizer: TextTokenizer,
-    prompts: list[tuple[str | list[int], list[int]]],
-    results: list[list[RequestOutput]],
-    params: SamplingParams,
-    echo: bool = False,
-    request_id: str | None = None,
-) -> dict:
-    """`text_completion` body: choice index runs over prompts, then samples. With echo the
-    choice's text (and its logprobs, when asked) cover the prompt, then the completion."""
-    choices, prompt_tokens, completion_tokens = [], 0, 0
-    for (prompt, ids), outs in zip(prompts, results, strict=True):
-        prompt_tokens += len(ids)
-        prefix = echo_text(tokenizer, prompt, ids) if echo else ""
-        for out in outs:
-            completion_tokens += len(out.output_token_ids)
-            lp = None
-            if params.logprobs is not None:
-                lp, _ = completion_logprobs(
-                    tokenizer, out.output_token_ids, out.logprobs, len(prefix)
-                )
-                if echo:
-                    lp = _join_logprobs(echo_logprobs(tokenizer, ids, out), lp)
-            choices.append(
-                {
-                    "index": len(choices),
-                    "text": prefix + out.text,
-                    "logprobs": lp,
-                    "finish_reason": finish_reason(out),
-                }
-            )
-    return {
-        "id": request_id or new_id("cmpl"),
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
-
-
-def chat_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs: list) -> dict:
-    """Chat `logprobs.content` entries for the given tokens."""
-
-    def entry(tid: int, lp: float) -> dict:
-        text = tokenizer.decode([tid], skip_special_tokens=False)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-    return {
-        "content": [
-            {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in alts]}
-            for t, (lp, alts) in zip(token_ids, logprobs, strict=True)
-        ]
-    }
-
-
-def chat_response(
-    model: str,
-    tokenizer: TextTokenizer,
-    prompt_len: int,
-    outputs: list[RequestOutput],
-    request_id: str | None = None,
-    tools: ToolPlan | None = None,
-    reasoning: bool = False,
-) -> dict:
-    """`chat.completion` body with one choice per sample; an output that is a call of one of
-    `tools` becomes `tool_calls`."""
-    choices = []
-    for i, out in enumerate(outputs):
-        lp = chat_logprobs(tokenizer, out.output_token_ids, out.logprobs) if out.logprobs else None
-        message, reason = chat_message(out, tools, reasoning)
-        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
-    return {
-        "id": request_id or new_id("chatcmpl"),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage(prompt_len, sum(len(o.output_token_ids) for o in outputs)),
-    }
-
-
-def chat_message(
-    out: RequestOutput, tools: ToolPlan | None, reasoning: bool = False
-) -> tuple[dict, str | None]:
-    """A finished chat output's message and finish_reason ("tool_calls" for a call); with
-    `reasoning`, the text before </think> goes to reasoning_content (server/reasoning.py)."""
-    reason = finish_reason(out)
-    message: dict = {"role": "assistant", "content": out.text}
-    if reasoning:
-        message["reasoning_content"], message["content"] = split_reasoning(out.text)
-    if tools is None or reason != "stop":
-        return message, reason
-    content, calls = parse_calls(message["content"] or "", tools)
-    if not calls:
-        return message, reason
-    return {**message, "content": content, "tool_calls": calls}, "tool_calls"
-
-
-def native_response(out: RequestOutput, prompt_len: int) -> dict:
-    """One sample's body of SGLang's /generate."""
-    return {
-        "text": out.text,
-        "output_ids": out.output_token_ids,
-        "meta_info": {
-            "id": out.request_id,
-            "finish_reason": native_finish_reason(out),
-            "prompt_tokens": prompt_len,
-            "completion_tokens": len(out.output_token_ids),
-            "cached_tokens": out.num_cached_tokens,
-        },
-    }
 
 
 def resume_of(req, num_prompts: int) -> Resume | None:

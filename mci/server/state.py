@@ -1,15 +1,15 @@
-"""What the HTTP handlers share: the engine handle, the request front, limits, metrics, the
-drain flag. One per server; built by `mci serve` (launch.py) and handed to `build_app`."""
+"""What the HTTP handlers share: the engine's supervisor, the request front, limits, metrics,
+the drain flag. One per server; built by `mci serve` (launch.py) and handed to `build_app`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mci.engine.config import ServerConfig
 from mci.engine.request_front import RequestFront
 from mci.grammar.cache import xgrammar_cache
 from mci.model_config import ModelConfig
-from mci.server.engine_supervisor import EngineClient
+from mci.server.config import ServerConfig
+from mci.server.engine_supervisor import EngineSupervisor
 from mci.server.metrics import ServerMetrics
 from mci.server.reasoning import END as THINK_END
 from mci.server.tool_formats import DeepSeekV3Markup, JsonEnvelope, tool_format_for
@@ -20,7 +20,7 @@ from mci.tokenizer import TextTokenizer
 class ServerState:
     """The server's shared state; `draining` turns true on SIGTERM and never back."""
 
-    client: EngineClient
+    engine: EngineSupervisor
     tokenizer: TextTokenizer
     model_config: ModelConfig
     config: ServerConfig
@@ -34,7 +34,7 @@ class ServerState:
 
     def __post_init__(self):
         self.metrics = ServerMetrics(
-            lambda: self.client.stats, lambda: self.client.restarts, lambda: self.client.hangs
+            lambda: self.engine.stats, lambda: self.engine.restarts, lambda: self.engine.hangs
         )
         cfg = self.model_config
         grammar = xgrammar_cache(self.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))

@@ -17,9 +17,9 @@ from fastapi.responses import StreamingResponse
 
 from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
-from mci.server import requests as protocol
+from mci.errors import error_body
+from mci.server import responses
 from mci.server.engine_supervisor import ENGINE_DEATH_ERRORS
-from mci.server.errors import error_body
 from mci.server.reasoning import ReasoningStream
 from mci.server.state import ServerState
 from mci.server.submission import Submission
@@ -91,7 +91,7 @@ async def _reportable(
 
 def _usage_chunk(base: dict, prompt_tokens: int, completion_tokens: int) -> str:
     """The final chunk of `stream_options.include_usage`: no choices, just usage."""
-    return sse({**base, "choices": [], "usage": protocol.usage(prompt_tokens, completion_tokens)})
+    return sse({**base, "choices": [], "usage": responses.usage(prompt_tokens, completion_tokens)})
 
 
 def stream_error(out: RequestOutput) -> str:
@@ -130,16 +130,16 @@ async def stream_completion(ctx: StreamContext) -> AsyncIterator[str]:
             offsets[idx] = 0
             if ctx.echo:
                 prompt, ids = ctx.prompts[idx // params.n]
-                text = protocol.echo_text(tokenizer, prompt, ids)
+                text = responses.echo_text(tokenizer, prompt, ids)
                 offsets[idx] = len(text)
-                yield chunk(idx, text, protocol.echo_logprobs(tokenizer, ids, out), None)
+                yield chunk(idx, text, responses.echo_logprobs(tokenizer, ids, out), None)
         lp = None
         if params.logprobs is not None:
-            lp, offsets[idx] = protocol.completion_logprobs(
+            lp, offsets[idx] = responses.completion_logprobs(
                 tokenizer, out.new_token_ids, out.new_logprobs, offsets[idx]
             )
         if out.delta_text or out.new_token_ids or out.finished:
-            yield chunk(idx, out.delta_text, lp, protocol.finish_reason(out), out.new_token_ids)
+            yield chunk(idx, out.delta_text, lp, responses.finish_reason(out), out.new_token_ids)
     if ctx.include_usage:
         yield _usage_chunk(base, ctx.num_prompt_tokens, usage[0])
     yield sse("[DONE]")
@@ -177,9 +177,9 @@ async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
             break
         lp = None
         if out.new_logprobs:
-            lp = protocol.chat_logprobs(ctx.state.tokenizer, out.new_token_ids, out.new_logprobs)
+            lp = responses.chat_logprobs(ctx.state.tokenizer, out.new_token_ids, out.new_logprobs)
         delta = {"content": out.delta_text} if out.delta_text else {}
-        reason = protocol.finish_reason(out)
+        reason = responses.finish_reason(out)
         if ctx.reasoning and ctx.tools is None:
             splitter = splitters.setdefault(out.request_id, ReasoningStream())
             thought, said = splitter.feed(out.delta_text, out.finished)
@@ -191,7 +191,7 @@ async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
             delta = {}
             if out.finished:
                 full = dataclasses.replace(out, text=held[out.request_id])
-                message, reason = protocol.chat_message(full, ctx.tools, ctx.reasoning)
+                message, reason = responses.chat_message(full, ctx.tools, ctx.reasoning)
                 if message["content"]:
                     delta = {"content": message["content"]}
                 if "tool_calls" in message:
@@ -235,7 +235,7 @@ async def stream_native(ctx: StreamContext) -> AsyncIterator[str]:
                 "text": texts[out.request_id],
                 "meta_info": {
                     "id": out.request_id,
-                    "finish_reason": protocol.native_finish_reason(out),
+                    "finish_reason": responses.native_finish_reason(out),
                     "completion_tokens": None,
                 },
             }

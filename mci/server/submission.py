@@ -10,7 +10,9 @@ from fastapi import Request
 
 from mci.core.outputs import QUEUE_TIMEOUT, REQUEST_TIMEOUT, RequestOutput
 from mci.core.request import Resume
+from mci.core.request_ids import prompt_request_id
 from mci.core.sampling_params import SamplingParams
+from mci.engine.commands import AddRequest
 from mci.server.engine_supervisor import EngineDied
 from mci.server.errors import RETRY_AFTER_S, HTTPError
 from mci.server.state import ServerState
@@ -48,16 +50,10 @@ class Submission:
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         try:
             for k, (ids, p) in enumerate(zip(prompts, per_prompt, strict=True)):
-                for sid, _ in state.client.submit(
-                    f"{rid}-p{k}",
-                    ids,
-                    p,
-                    priority,
-                    timeout,
-                    queue=self.queue,
-                    resume=resume,
-                    queue_timeout_s=queue_timeout,
-                ):
+                command = AddRequest(
+                    prompt_request_id(rid, k), ids, p, priority, timeout, resume, queue_timeout
+                )
+                for sid, _ in state.engine.submit(command, queue=self.queue):
                     self.index[sid] = len(self.index)
                     self.trackers[sid] = _Tracker()
                     self.remaining.add(sid)
@@ -121,7 +117,7 @@ class Submission:
         """Abort every unfinished sample (client gone); counted here, since nobody will read
         their final outputs."""
         for sid in list(self.remaining):
-            self.state.client.abort(sid)
+            self.state.engine.abort(sid)
             self.state.metrics.aborted.inc()
             self.state.metrics.e2e.observe(time.monotonic() - self.trackers.pop(sid).start)
         self.remaining.clear()

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from mci.core.batch import ScheduledItem
-from mci.engine.config import SpeculativeConfig
+from mci.speculative.config import SpeculativeConfig
 
 
 class Drafter(Protocol):

@@ -1,0 +1,40 @@
+"""The scheduler's settings: how big a step may be and in what order requests are admitted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mci.config_fields import option
+from mci.errors import UserError
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching policy of the scheduler loop."""
+
+    max_running_requests: int = option(256, "most requests decoding at once")
+    max_prefill_tokens: int = option(8192, "most prompt tokens computed in one step")
+    chunked_prefill_size: int = option(2048, "most tokens of one prompt per step; -1 disables")
+    schedule_policy: str = option(
+        "lpm", "admission order: lpm (longest cached prefix first) or fcfs", ["lpm", "fcfs"]
+    )
+    decode_reserve_tokens: int = option(16, "KV tokens kept free per running request at admission")
+    enable_jump_forward: bool = option(
+        False,
+        "structured output: append the text a grammar forces (e.g. a fixed key) without a "
+        "model step per token; computed in the next step like a prompt chunk",
+    )
+
+    def __post_init__(self):
+        if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
+            raise UserError("--max-running-requests and --max-prefill-tokens must be >= 1")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise UserError("--chunked-prefill-size must be positive, or -1 to disable")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise UserError(f"--schedule-policy must be lpm or fcfs, got {self.schedule_policy!r}")
+        if self.decode_reserve_tokens < 0:
+            raise UserError("--decode-reserve-tokens must be >= 0")
+
+    @property
+    def chunk_limit(self) -> int | None:
+        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
