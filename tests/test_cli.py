@@ -63,3 +63,37 @@ def test_seeded_sampling_is_reproducible():
 
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+def test_generate_runs_the_engine_the_server_runs():
+    """`mci generate` is the engine's build (packed weights, CPU kernels), not a driver of its
+    own: on the bundled bf16 model its greedy text is the in-process Engine's, token for token
+    (the bf16 roundings of the two paths would differ)."""
+    from mci.cache.config import CacheConfig
+    from mci.core.sampling_params import SamplingParams
+    from mci.engine.config import EngineConfig, ModelPlacement
+    from mci.engine.engine import Engine
+
+    prompts = ["def fibonacci(n):", "class Stack:", "def _check_value(value):"]
+    engine = Engine(
+        EngineConfig(
+            model=ModelPlacement(skip_kernel_warmup=True),
+            cache=CacheConfig(max_total_tokens=4096),
+        ),
+        background=False,
+    )
+    try:
+        params = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)
+        texts = [r.outputs[0].text for r in engine.generate(prompts, params)]
+    finally:
+        engine.shutdown()
+    for prompt, text in zip(prompts, texts, strict=True):
+        result = subprocess.run(
+            [sys.executable, "-m", "mci", "generate", "--prompt", prompt]
+            + ["--max-new-tokens", "48", "--ignore-eos", "--skip-kernel-warmup"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == prompt + text + "\n"
