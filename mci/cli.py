@@ -65,7 +65,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from mci.cache.config import CacheConfig
     from mci.core.sampling_params import SamplingParams
     from mci.engine.engine import Engine
+    from mci.engine.request_front import RequestFront
     from mci.errors import InvalidParameter
+    from mci.model_config import load_config
     from mci.scheduler.config import SchedulerConfig
     from mci.tokenizer import TextTokenizer
 
@@ -75,6 +77,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not path.is_dir():
         raise UserError(f"model directory {path} does not exist")
     start = time.perf_counter()
+    model_config = load_config(path)
     tokenizer = TextTokenizer.load(path)
     if args.chat:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
@@ -88,20 +91,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
+    # checked before the engine is sized for it (a too-long request must not size the pool)
+    front = RequestFront(tokenizer, model_config.vocab_size, model_config.max_position_embeddings)
+    try:
+        if args.token_healing:
+            prompt_ids, params = front.heal(prompt_ids, params)
+        front.check(prompt_ids, params)
+    except InvalidParameter as exc:
+        raise exc.renamed({"max_new_tokens": "--max-new-tokens"}) from None
     # room for the prompt, its output, the drafts of a step and the admission reserve
     scheduler = SchedulerConfig(max_running_requests=1, max_prefill_tokens=len(prompt_ids) or 1)
     need = len(prompt_ids) + args.max_new_tokens + config.speculative.num_steps
     cache = CacheConfig(max_total_tokens=need + scheduler.decode_reserve_tokens + 1)
     config = dataclasses.replace(config, scheduler=scheduler, cache=cache)
-    engine = Engine(config, tokenizer=tokenizer, background=False)
+    engine = Engine(config, tokenizer=tokenizer, background=False, model_config=model_config)
     try:
         load_s = time.perf_counter() - start
-        try:
-            if args.token_healing:
-                prompt_ids, params = engine.front.heal(prompt_ids, params)
-            command = engine.command("generate", prompt_ids, params)
-        except InvalidParameter as exc:
-            raise exc.renamed({"max_new_tokens": "--max-new-tokens"}) from None
+        command = engine.command("generate", prompt_ids, params)
         token_times: list[float] = []
         final: list = []
         done = threading.Condition()

@@ -156,6 +156,82 @@ def test_max_queue_time_holds_on_every_dp_attention_rank(checkpoint):
         engine.shutdown()
 
 
+def test_an_abort_answered_in_a_state_round_still_reaches_its_sink(checkpoint):
+    """Under dp-attention a round that is not a step (a state query, a keepalive) also carries
+    the other ranks' commands; the final outputs they cause reach their sinks with the next
+    step, never lost (the client would wait forever and the front end count it in flight)."""
+    layout = ParallelConfig(ep_size=2, enable_dp_attention=True)
+    config = EngineConfig(
+        model=ModelPlacement(model_path=checkpoint(), dtype="float32", skip_kernel_warmup=True),
+        cache=CacheConfig(max_total_tokens=2048),
+        parallel=layout,
+    )
+    engine = Engine(config)
+    finals: dict = {}
+    try:
+        sink = lambda out: out.finished and finals.setdefault(out.request_id, out)  # noqa: E731
+        busy = SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True)
+        for i in range(2):
+            engine.add_request([5, 6, 7], busy, sink, f"long-{i}")
+        assert engine.between_steps(lambda: engine.core.rank_of("long-1")) == 1
+        # hold the loop so that the abort and the state query are taken together: the abort
+        # is queued for rank 1, and the state round delivers it there
+        held, release = threading.Event(), threading.Event()
+        blocker = threading.Thread(
+            target=engine.between_steps, args=(lambda: held.set() or release.wait(10),)
+        )
+        blocker.start()
+        assert held.wait(10)
+        engine.abort("long-1")
+        query = threading.Thread(target=engine.state)
+        query.start()
+        time.sleep(0.2)  # the query is in the inbox behind the abort
+        release.set()
+        query.join(10)
+        blocker.join(10)
+        deadline = time.monotonic() + 10
+        while "long-1" not in finals and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert finals["long-1"].finish_reason == "abort"
+        engine.abort("long-0")
+        while "long-0" not in finals and time.monotonic() < deadline:
+            time.sleep(0.02)
+        engine.check_idle_integrity()
+    finally:
+        engine.shutdown()
+
+
+def test_a_dead_dp_attention_rank_ends_every_request_in_flight(checkpoint):
+    """When a rank dies the run is broken: every sample in flight gets its final output with
+    the error, those on the dead rank too (no round can reach them any more)."""
+    import multiprocessing
+
+    layout = ParallelConfig(ep_size=2, enable_dp_attention=True)
+    config = EngineConfig(
+        model=ModelPlacement(model_path=checkpoint(), dtype="float32", skip_kernel_warmup=True),
+        cache=CacheConfig(max_total_tokens=2048),
+        parallel=layout,
+    )
+    engine = Engine(config)
+    finals: dict = {}
+    try:
+        sink = lambda out: out.finished and finals.setdefault(out.request_id, out)  # noqa: E731
+        busy = SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True)
+        for i in range(2):
+            engine.add_request([5, 6, 7], busy, sink, f"long-{i}")
+        assert engine.between_steps(lambda: engine.core.rank_of("long-1")) == 1
+        (rank_1,) = [p for p in multiprocessing.active_children() if p.name == "mci-rank-1"]
+        rank_1.kill()
+        deadline = time.monotonic() + 60
+        while len(finals) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for i in range(2):
+            out = finals.get(f"long-{i}")
+            assert out is not None and out.error and "engine failed" in out.error, (i, out)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_bf16_and_fp8_layouts_match_one_process(checkpoint, fp8):

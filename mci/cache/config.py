@@ -22,9 +22,12 @@ class CacheConfig:
     disable_radix_cache: bool = option(False, "turn the radix prefix cache off")
 
     def __post_init__(self):
-        if self.max_total_tokens is not None and self.max_total_tokens < 1:
-            raise UserError("--max-total-tokens must be at least 1")
-        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
-            raise UserError("--kv-cache-gb must be positive")
-        if not 0 < self.mem_fraction_static <= 1:
+        # each way is checked where it decides the size (an overridden one is not read)
+        if self.max_total_tokens is not None:
+            if self.max_total_tokens < 1:
+                raise UserError("--max-total-tokens must be at least 1")
+        elif self.kv_cache_gb is not None:
+            if not self.kv_cache_gb > 0:
+                raise UserError("--kv-cache-gb must be positive")
+        elif not 0 < self.mem_fraction_static <= 1:
             raise UserError("--mem-fraction-static must be in (0, 1]")

@@ -103,6 +103,9 @@ class DataParallelCore:
         self._load = [0] * world  # samples in flight per rank
         self._has_work = [False] * world  # the other ranks', as of the last round
         self._stats: list[dict] = [{} for _ in range(world)]
+        # final outputs of rounds that were not steps (state, keepalive): the loop receives
+        # them with the next step
+        self._held: list[RequestOutput] = []
         self._last_round = time.monotonic()
         self._closed = False
         self.broken = False
@@ -126,7 +129,9 @@ class DataParallelCore:
 
     @property
     def has_work(self) -> bool:
-        return any(self._has_work[1:]) or any(self._pending) or self.local.has_work
+        return (
+            any(self._has_work[1:]) or any(self._pending) or bool(self._held) or self.local.has_work
+        )
 
     def rank_of(self, sample_id: str) -> int | None:
         """The rank that runs a sample in flight (None once it has ended)."""
@@ -155,17 +160,22 @@ class DataParallelCore:
     def abort_all(self, error: str) -> list[RequestOutput]:
         for rank in range(1, self.parallel.world_size):
             self._pending[rank].append((AbortAll(error), time.monotonic()))
-        outputs = self._finished(self.local.abort_all(error))
+        outputs = self._take_held() + self._finished(self.local.abort_all(error))
         if not self._closed:
             outputs += self._round(step=False)
+        else:  # no round can reach the other ranks: their samples end here
+            lost = [sid for sid, rank in self._owner.items() if rank != 0]
+            outputs += self._finished([RequestOutput.aborted(sid, error) for sid in lost])
+            self._pending = [[] for _ in self._pending]
         return outputs
 
     def step(self) -> list[RequestOutput]:
-        return self._round(step=True)
+        return self._take_held() + self._round(step=True)
 
     def idle(self) -> None:
         if time.monotonic() - self._last_round > self._keepalive_s:
-            self._round(step=False)  # the followers wait inside a collective that times out
+            # the followers wait inside a collective that times out
+            self._held += self._round(step=False)
 
     def stats(self) -> dict:
         """Rank 0's stats with the other ranks' (as of the last round) added up."""
@@ -173,7 +183,7 @@ class DataParallelCore:
 
     def state(self) -> dict:
         """Every rank's state, checked now (one round), added up."""
-        self._round(step=False, state=True)
+        self._held += self._round(step=False, state=True)
         return self._combined(self._stats)
 
     def check_integrity(self) -> None:
@@ -223,6 +233,10 @@ class DataParallelCore:
             self._stats[rank] = report.stats
             outputs += report.outputs
         return self._finished(outputs)
+
+    def _take_held(self) -> list[RequestOutput]:
+        held, self._held = self._held, []
+        return held
 
     def _finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """`outputs`, after the samples they end are no longer counted on their rank."""

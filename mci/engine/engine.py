@@ -27,6 +27,7 @@ from mci.engine.commands import AbortRequest, AddRequest
 from mci.engine.config import EngineConfig
 from mci.engine.loop import CallBetweenSteps, EngineLoop, QueueInbox, Sink
 from mci.errors import EngineBroken, UserError
+from mci.model_config import ModelConfig
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.tokenizer import TextTokenizer
 
@@ -48,7 +49,8 @@ class Engine:
     offline `LLM.generate` does: torch's OpenMP pool is ~2x slower on a second thread once the
     main thread has its own pool (libgomp stops spin-waiting when teams oversubscribe the
     cores), so offline batch work should not hop threads. `model`/`tokenizer` may be passed in
-    to share one loaded model between engines (tests).
+    to share one loaded model between engines (tests); `model_config`, the checkpoint's
+    config.json when the caller has parsed it already.
     """
 
     def __init__(
@@ -57,9 +59,10 @@ class Engine:
         model: DeepseekV3ForCausalLM | None = None,
         tokenizer: TextTokenizer | None = None,
         background: bool = True,
+        model_config: ModelConfig | None = None,
     ):
         self.config = config or EngineConfig()
-        parts = build_engine(self.config, model, tokenizer)
+        parts = build_engine(self.config, model, tokenizer, model_config)
         self._parts = parts
         self.model, self.tokenizer, self.front = parts.model, parts.tokenizer, parts.front
         self.core = parts.core
