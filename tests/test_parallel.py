@@ -156,6 +156,61 @@ def test_max_queue_time_holds_on_every_dp_attention_rank(checkpoint):
         engine.shutdown()
 
 
+def test_served_max_queue_time_holds_on_every_dp_attention_rank(checkpoint):
+    """`mci serve --enable-dp-attention --max-queue-time 1`: with each rank's one running slot
+    taken, the next two prompts (one per rank) both end with 503 and Retry-After after the
+    bound, the one on rank 1 too; the running requests are never at risk."""
+    from server_helpers import LiveServer
+    from server_helpers import complete_into as _complete
+
+    def hold(url: str, stop: threading.Event, results: dict, key: str) -> None:
+        """A long stream, read until `stop` (then the client leaves: the engine aborts it)."""
+        body = {"prompt": "x", "max_tokens": 5000, "temperature": 0, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+            for _ in r.iter_lines():
+                results[key] = r.status_code
+                if stop.is_set():
+                    return
+
+    path = checkpoint(max_position_embeddings=8192)
+    flags = ("--ep-size", "2", "--enable-dp-attention", "--max-running-requests", "1")
+    with LiveServer(path, *flags, "--max-queue-time", "1") as server:
+        results: dict = {}
+        stop = threading.Event()
+        longs = [
+            threading.Thread(target=hold, args=(server.url, stop, results, f"long{i}"))
+            for i in range(2)
+        ]
+        for t in longs:  # the least-loaded rank takes a prompt: rank 0, then rank 1
+            t.start()
+            time.sleep(0.5)
+        queued = [
+            threading.Thread(target=_complete, args=(server.url, "def q(x):", 8, results, i))
+            for i in range(2)
+        ]
+        sent = time.monotonic()
+        for t in queued:  # rank 0, then rank 1
+            t.start()
+            time.sleep(0.05)
+        for t in queued:
+            t.join(20)
+        waited = time.monotonic() - sent
+        try:
+            for i in range(2):
+                status, body, headers = results[i]
+                assert status == 503, (i, body)
+                assert body["error"]["message"] == QUEUE_TIMEOUT
+                assert headers["retry-after"] == "1"
+            assert 1.0 <= waited < 10 and all(t.is_alive() for t in longs)
+            assert [results.get(f"long{i}") for i in range(2)] == [200, 200]
+        finally:
+            stop.set()
+            for t in longs:
+                t.join(60)
+        state = server.wait_idle()
+        assert state["free_slots"] + state["tree_tokens"] == state["num_slots"]
+
+
 def test_an_abort_answered_in_a_state_round_still_reaches_its_sink(checkpoint):
     """Under dp-attention a round that is not a step (a state query, a keepalive) also carries
     the other ranks' commands; the final outputs they cause reach their sinks with the next
