@@ -4,6 +4,7 @@ equal `mci plan`'s; a dead rank fails the engine fast and leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -116,32 +117,49 @@ def test_dp_attention_pools_the_ranks_kv_and_refuses_speculation(checkpoint):
         dataclasses.replace(config, speculative=spec)
 
 
-def test_max_queue_time_holds_on_every_dp_attention_rank(checkpoint):
-    """A prompt queued past its bound ends with QUEUE_TIMEOUT on whichever rank holds it:
-    rank 0 forwards the AddRequest as it took it, and the other rank builds its requests
-    through the same RequestFront (queue clock included) as rank 0 does."""
-    layout = ParallelConfig(ep_size=2, enable_dp_attention=True)
+@contextlib.contextmanager
+def _dp_engine_running_two(checkpoint, **scheduler):
+    """An in-process dp-attention engine (2 ranks) running one long greedy request per rank:
+    "long-0" on rank 0, "long-1" on rank 1 (the least-loaded rank takes a prompt, ties to the
+    lowest). Yields (engine, sink, finals): final outputs by request id land in `finals`."""
     config = EngineConfig(
         model=ModelPlacement(model_path=checkpoint(), dtype="float32", skip_kernel_warmup=True),
         cache=CacheConfig(max_total_tokens=2048),
-        scheduler=SchedulerConfig(max_running_requests=1),
-        parallel=layout,
+        scheduler=SchedulerConfig(**scheduler),
+        parallel=ParallelConfig(ep_size=2, enable_dp_attention=True),
     )
     engine = Engine(config)
     finals: dict = {}
     try:
         sink = lambda out: out.finished and finals.setdefault(out.request_id, out)  # noqa: E731
         busy = SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True)
-        for i in range(2):  # one long request per rank: each rank's one running slot is taken
+        for i in range(2):
             engine.add_request([5, 6, 7], busy, sink, f"long-{i}")
+        assert engine.between_steps(lambda: engine.core.rank_of("long-1")) == 1
+        yield engine, sink, finals
+    finally:
+        engine.shutdown()
+
+
+def _wait_for(finals: dict, ids: set, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ids <= finals.keys() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_max_queue_time_holds_on_every_dp_attention_rank(checkpoint):
+    """A prompt queued past its bound ends with QUEUE_TIMEOUT on whichever rank holds it:
+    rank 0 forwards the AddRequest as it took it, and the other rank builds its requests
+    through the same RequestFront (queue clock included) as rank 0 does."""
+    # each rank's one running slot is taken by its long request
+    with _dp_engine_running_two(checkpoint, max_running_requests=1) as (engine, sink, finals):
         start = time.monotonic()
         for i in range(2):
             engine.add_request([8, 9], SamplingParams(max_new_tokens=4), sink, f"queued-{i}",
                                queue_timeout_s=0.5)  # fmt: skip
         ranks = engine.between_steps(lambda: [engine.core.rank_of(f"queued-{i}") for i in (0, 1)])
-        assert ranks == [0, 1]  # the least-loaded rank takes a prompt, ties to the lowest
-        while not {"queued-0", "queued-1"} <= finals.keys() and time.monotonic() - start < 30:
-            time.sleep(0.02)
+        assert ranks == [0, 1]
+        _wait_for(finals, {"queued-0", "queued-1"}, 30)
         waited = time.monotonic() - start
         for i in range(2):
             out = finals.get(f"queued-{i}")
@@ -149,11 +167,8 @@ def test_max_queue_time_holds_on_every_dp_attention_rank(checkpoint):
         assert 0.5 <= waited < 10 and not {"long-0", "long-1"} & finals.keys()
         for i in range(2):
             engine.abort(f"long-{i}")
-        while len(finals) < 4 and time.monotonic() - start < 60:
-            time.sleep(0.02)
+        _wait_for(finals, {"long-0", "long-1"}, 30)
         engine.check_idle_integrity()
-    finally:
-        engine.shutdown()
 
 
 def test_served_max_queue_time_holds_on_every_dp_attention_rank(checkpoint):
@@ -215,20 +230,7 @@ def test_an_abort_answered_in_a_state_round_still_reaches_its_sink(checkpoint):
     """Under dp-attention a round that is not a step (a state query, a keepalive) also carries
     the other ranks' commands; the final outputs they cause reach their sinks with the next
     step, never lost (the client would wait forever and the front end count it in flight)."""
-    layout = ParallelConfig(ep_size=2, enable_dp_attention=True)
-    config = EngineConfig(
-        model=ModelPlacement(model_path=checkpoint(), dtype="float32", skip_kernel_warmup=True),
-        cache=CacheConfig(max_total_tokens=2048),
-        parallel=layout,
-    )
-    engine = Engine(config)
-    finals: dict = {}
-    try:
-        sink = lambda out: out.finished and finals.setdefault(out.request_id, out)  # noqa: E731
-        busy = SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True)
-        for i in range(2):
-            engine.add_request([5, 6, 7], busy, sink, f"long-{i}")
-        assert engine.between_steps(lambda: engine.core.rank_of("long-1")) == 1
+    with _dp_engine_running_two(checkpoint) as (engine, _, finals):
         # hold the loop so that the abort and the state query are taken together: the abort
         # is queued for rank 1, and the state round delivers it there
         held, release = threading.Event(), threading.Event()
@@ -244,16 +246,11 @@ def test_an_abort_answered_in_a_state_round_still_reaches_its_sink(checkpoint):
         release.set()
         query.join(10)
         blocker.join(10)
-        deadline = time.monotonic() + 10
-        while "long-1" not in finals and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _wait_for(finals, {"long-1"}, 10)
         assert finals["long-1"].finish_reason == "abort"
         engine.abort("long-0")
-        while "long-0" not in finals and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _wait_for(finals, {"long-0"}, 10)
         engine.check_idle_integrity()
-    finally:
-        engine.shutdown()
 
 
 def test_a_dead_dp_attention_rank_ends_every_request_in_flight(checkpoint):
@@ -261,30 +258,13 @@ def test_a_dead_dp_attention_rank_ends_every_request_in_flight(checkpoint):
     the error, those on the dead rank too (no round can reach them any more)."""
     import multiprocessing
 
-    layout = ParallelConfig(ep_size=2, enable_dp_attention=True)
-    config = EngineConfig(
-        model=ModelPlacement(model_path=checkpoint(), dtype="float32", skip_kernel_warmup=True),
-        cache=CacheConfig(max_total_tokens=2048),
-        parallel=layout,
-    )
-    engine = Engine(config)
-    finals: dict = {}
-    try:
-        sink = lambda out: out.finished and finals.setdefault(out.request_id, out)  # noqa: E731
-        busy = SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True)
-        for i in range(2):
-            engine.add_request([5, 6, 7], busy, sink, f"long-{i}")
-        assert engine.between_steps(lambda: engine.core.rank_of("long-1")) == 1
+    with _dp_engine_running_two(checkpoint) as (_, _, finals):
         (rank_1,) = [p for p in multiprocessing.active_children() if p.name == "mci-rank-1"]
         rank_1.kill()
-        deadline = time.monotonic() + 60
-        while len(finals) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for(finals, {"long-0", "long-1"}, 60)
         for i in range(2):
             out = finals.get(f"long-{i}")
             assert out is not None and out.error and "engine failed" in out.error, (i, out)
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.slow
