@@ -5,6 +5,8 @@ Every component's settings are a frozen dataclass next to the component (`cache/
 values in `__post_init__` (a UserError naming the flag). `add_flags` turns sections into
 argparse flags (`--field-name`, plus peers' spellings as aliases) and `from_args` builds a
 section back from the parsed flags; `mci/cli.py` says which command takes which sections.
+A field declared with `choices` is checked by `check_choices`, so a section built in code
+(not through argparse) cannot hold a value its flag would refuse.
 """
 
 from __future__ import annotations
@@ -15,14 +17,29 @@ import types
 import typing
 from typing import TypeVar
 
+from mci.errors import UserError
+
 T = TypeVar("T")
 
 
-def option(default, help: str, choices=None, aliases: tuple[str, ...] = ()):
-    """A config field with its CLI help; `aliases` are other flags for it (peers' spellings)."""
+def option(default, help: str, choices=None, aliases: tuple[str, ...] = (), secret: bool = False):
+    """A config field with its CLI help; `aliases` are other flags for it (peers' spellings).
+    A `secret` (an API key) is left out of the section's repr, so no log line can show it."""
     return dataclasses.field(
-        default=default, metadata={"help": help, "choices": choices, "aliases": aliases}
+        default=default,
+        repr=not secret,
+        metadata={"help": help, "choices": choices, "aliases": aliases},
     )
+
+
+def check_choices(section) -> None:
+    """UserError naming the flag when a field declared with `choices` holds another value
+    (None, an optional field left unset, always passes). Sections call it in __post_init__."""
+    for f in dataclasses.fields(section):
+        choices, value = f.metadata.get("choices"), getattr(section, f.name)
+        if choices and value is not None and value not in choices:
+            flag = "--" + f.name.replace("_", "-")
+            raise UserError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def _arg_type(tp):

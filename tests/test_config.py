@@ -67,3 +67,13 @@ def test_missing_field_and_bad_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps([1, 2]))
     with pytest.raises(ConfigError, match="JSON object"):
         load_config(tmp_path)
+
+
+def test_server_config_checks_itself_and_never_shows_its_api_key():
+    from mci.errors import UserError
+    from mci.server.config import ServerConfig
+
+    assert "s3cret" not in repr(ServerConfig(api_key="s3cret"))
+    for bad in ({"reasoning_parser": "nope"}, {"max_queue_time": -1}, {"dp_size": 0}):
+        with pytest.raises(UserError, match="--"):
+            ServerConfig(**bad)

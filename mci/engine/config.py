@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mci.cache.config import CacheConfig
-from mci.config_fields import add_flags, from_args, option
+from mci.config_fields import add_flags, check_choices, from_args, option
 from mci.errors import UserError
 from mci.parallel.config import ParallelConfig
 from mci.scheduler.config import SchedulerConfig
 from mci.speculative.config import SpeculativeConfig
 
 DEFAULT_MODEL = Path(__file__).parent.parent / "assets" / "default-model"
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,11 @@ class ModelPlacement:
     """Which checkpoint, in which dtype, on which device, computed how."""
 
     model_path: Path = option(DEFAULT_MODEL, "checkpoint directory (default: the bundled model)")
-    dtype: str = option("auto", "activation dtype; auto = the checkpoint's", list(DTYPES))
+    dtype: str = option(
+        "auto",
+        "activation dtype; auto = the checkpoint's",
+        ["auto", "bfloat16", "float16", "float32"],
+    )
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1, ...)")
     deterministic: bool = option(
         False,
@@ -41,8 +44,7 @@ class ModelPlacement:
     )
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_choices(self)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from mci.core.request_ids import sample_ids
 from mci.core.sampling_params import SamplingParams
 from mci.engine.commands import AddRequest
 from mci.engine.request_front import RequestFront
-from mci.errors import InvalidParameter, UserError
+from mci.errors import UserError
 from mci.grammar.cache import GrammarCache, Window
 from mci.grammar.deferred import DeferredMatcher
 from mci.grammar.healing import LeadingMatcher
@@ -121,8 +121,6 @@ class EngineCore:
         """The command's requests through the front (checked again: a command from another
         process is refused, never fatal), each queued; the outputs of those that end at once."""
         try:
-            if command.params.constraint is not None and self.grammar is None:
-                raise InvalidParameter("structured output is not available here", "response_format")
             reqs = self.front.requests(command)
         except Exception as exc:  # noqa: BLE001 - a bad request never takes the engine down
             if not isinstance(exc, UserError):

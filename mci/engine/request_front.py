@@ -110,9 +110,12 @@ class RequestFront:
         did)."""
         if params.constraint is None:
             return
-        if self.grammar is None:
-            raise InvalidParameter("structured output is not available here", "response_format")
+        self._check_grammar(params)
         self.grammar.compile_now(params.constraint)
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        if params.constraint is not None and self.grammar is None:
+            raise InvalidParameter("structured output is not available here", "response_format")
 
     def requests(self, command: AddRequest) -> list[Request]:
         """One request per sample of a checked prompt; sample i of a seeded request is seeded
@@ -120,6 +123,7 @@ class RequestFront:
         the output to continue from. The command's time bounds count from now."""
         ids, params = command.prompt_ids, command.params
         self.check(ids, params)
+        self._check_grammar(params)
         now = time.monotonic()
         deadline = None if command.timeout_s is None else now + command.timeout_s
         queue_s = command.queue_timeout_s

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mci.config_fields import option
+from mci.config_fields import check_choices, option
 from mci.errors import UserError
 
 
@@ -37,6 +37,7 @@ class ParallelConfig:
     )
 
     def __post_init__(self):
+        check_choices(self)
         world = self.world_size
         for name, size in (("--tp-size", self.tp_size), ("--ep-size", self.ep_size)):
             if size < 1 or size not in (1, world):
@@ -49,8 +50,6 @@ class ParallelConfig:
             raise UserError(f"--node-rank must be in [0, {self.nnodes})")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise UserError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's)")
-        if self.moe_dispatch not in ("all_to_all", "all_gather"):
-            raise UserError("--moe-dispatch must be all_to_all or all_gather")
         if self.dist_timeout <= 0:
             raise UserError("--dist-timeout must be > 0")
         if self.enable_dp_attention and (self.tp_size != 1 or self.ep_size < 2):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mci.config_fields import option
+from mci.config_fields import check_choices, option
 from mci.errors import UserError
 
 
@@ -38,6 +38,7 @@ class RayServeConfig:
     )
 
     def __post_init__(self):
+        check_choices(self)
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             raise UserError("need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1")
         for name, value in (
@@ -47,7 +48,5 @@ class RayServeConfig:
         ):
             if value <= 0:
                 raise UserError(f"{name} must be > 0")
-        if self.request_router not in ("cache_aware", "power_of_two"):
-            raise UserError("--request-router must be cache_aware or power_of_two")
         if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
             raise UserError("--upscale-delay-s and --downscale-delay-s must be >= 0")

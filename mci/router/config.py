@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mci.config_fields import option
+from mci.config_fields import check_choices, option
 from mci.errors import UserError
-
-POLICIES = ("cache_aware", "round_robin", "least_load")
 
 
 @dataclass(frozen=True)
@@ -19,7 +17,7 @@ class RouterConfig:
     policy: str = option(
         "cache_aware",
         "which replica takes a request",
-        list(POLICIES),
+        ["cache_aware", "round_robin", "least_load"],
     )
     cache_threshold: float = option(
         0.5, "cache_aware: the share of a prompt a replica must hold to take it by cache"
@@ -39,9 +37,9 @@ class RouterConfig:
     )
 
     def __post_init__(self):
+        check_choices(self)
         problems = (
             (not 0 <= self.port <= 65535, "--port must be in 0..65535"),
-            (self.policy not in POLICIES, f"--policy must be one of {', '.join(POLICIES)}"),
             (not 0 <= self.cache_threshold <= 1, "--cache-threshold must be in [0, 1]"),
             (self.balance_abs_threshold < 0, "--balance-abs-threshold must be >= 0"),
             (self.balance_rel_threshold < 1, "--balance-rel-threshold must be >= 1"),

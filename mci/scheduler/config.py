@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mci.config_fields import option
+from mci.config_fields import check_choices, option
 from mci.errors import UserError
 
 
@@ -26,12 +26,11 @@ class SchedulerConfig:
     )
 
     def __post_init__(self):
+        check_choices(self)
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
             raise UserError("--max-running-requests and --max-prefill-tokens must be >= 1")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise UserError("--chunked-prefill-size must be positive, or -1 to disable")
-        if self.schedule_policy not in ("lpm", "fcfs"):
-            raise UserError(f"--schedule-policy must be lpm or fcfs, got {self.schedule_policy!r}")
         if self.decode_reserve_tokens < 0:
             raise UserError("--decode-reserve-tokens must be >= 0")
 

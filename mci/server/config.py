@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mci.config_fields import option
+from mci.config_fields import check_choices, option
 from mci.errors import UserError
 
 
@@ -16,7 +16,9 @@ class ServerConfig:
     host: str = option("127.0.0.1", "address to bind (loopback by default)")
     port: int = option(30000, "port to listen on")
     served_model_name: str | None = option(None, "model name in the API (default: the directory)")
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on the API")
+    api_key: str | None = option(
+        None, "require 'Authorization: Bearer KEY' on the API", secret=True
+    )
     context_length: int | None = option(None, "max prompt + output tokens (default: the model's)")
     max_queued_requests: int = option(256, "requests waiting beyond the running batch before 429")
     request_timeout: float | None = option(None, "seconds before a request is aborted")
@@ -59,6 +61,7 @@ class ServerConfig:
     )
 
     def __post_init__(self):
+        check_choices(self)
         problems = (
             (not 0 <= self.port <= 65535, "--port must be in 0..65535"),
             (self.dp_size < 1, "--dp-size must be >= 1"),

@@ -35,6 +35,15 @@ class InFlight:
 
 
 @dataclass(frozen=True)
+class _Target:
+    """Where a sample's outputs go: its request, and the queue on its event loop."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass(frozen=True)
 class Casualties:
     """The samples an engine's death ends: `failed` (their request had started, or there
     will be no new engine) and `failed_twice` (in flight through a second hang)."""
@@ -50,15 +59,14 @@ class InFlightTable:
     def __init__(self):
         self._lock = threading.Lock()
         self._requests: dict[str, InFlight] = {}
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._request_of: dict[str, str] = {}  # sample id -> request id
+        self._targets: dict[str, _Target] = {}  # by sample id
 
     def __len__(self) -> int:
         """Samples in flight."""
-        return len(self._queues)
+        return len(self._targets)
 
     def __contains__(self, sample_id: str) -> bool:
-        return sample_id in self._queues
+        return sample_id in self._targets
 
     def add(
         self, command: AddRequest, queue: asyncio.Queue | None = None
@@ -71,8 +79,7 @@ class InFlightTable:
         with self._lock:
             for sid in ids:
                 q: asyncio.Queue = queue or asyncio.Queue()
-                self._queues[sid] = (loop, q)
-                self._request_of[sid] = command.request_id
+                self._targets[sid] = _Target(command.request_id, loop, q)
                 out.append((sid, q))
             self._requests[command.request_id] = InFlight(command, time.monotonic(), list(ids))
         return out
@@ -80,9 +87,9 @@ class InFlightTable:
     def forget_sample(self, sample_id: str) -> None:
         """Drop a sample's whole request (no engine will end it: it is not sent again)."""
         with self._lock:
-            rid = self._request_of.get(sample_id)
-            if rid is not None:
-                self._forget(rid)
+            target = self._targets.get(sample_id)
+            if target is not None:
+                self._forget(target.request_id)
 
     def forget(self, request_id: str) -> None:
         with self._lock:
@@ -91,8 +98,7 @@ class InFlightTable:
     def _forget(self, rid: str) -> None:
         entry = self._requests.pop(rid, None)
         for sid in entry.samples if entry else ():
-            self._queues.pop(sid, None)
-            self._request_of.pop(sid, None)
+            self._targets.pop(sid, None)
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand outputs to their queues: one wake-up of each event loop per call, not one per
@@ -100,19 +106,17 @@ class InFlightTable:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             for out in outputs:
-                target = self._queues.get(out.request_id)
+                target = self._targets.get(out.request_id)
                 if target is None:
                     continue
-                entry = self._requests[self._request_of[out.request_id]]
+                entry = self._requests[target.request_id]
                 entry.started = True
                 if out.finished:
                     entry.samples.remove(out.request_id)
-                    self._queues.pop(out.request_id)
-                    self._request_of.pop(out.request_id)
+                    self._targets.pop(out.request_id)
                     if not entry.samples:
-                        self._requests.pop(entry.command.request_id)
-                loop, q = target
-                by_loop.setdefault(loop, []).append((q, out))
+                        self._requests.pop(target.request_id)
+                by_loop.setdefault(target.loop, []).append((target.queue, out))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
