@@ -31,8 +31,9 @@ HEARTBEAT_S = 0.5  # the longest silence of a live engine loop between steps
 
 
 class PipeInbox:
-    """Turns pipe messages into loop commands. Owns the outbox every request's outputs go to
-    and the flag that ends the loop (shutdown asked, or the front end gone)."""
+    """Hands the pipe's commands to the loop, each with the outbox as its sink, and answers
+    state queries between steps. Owns the outbox every request's outputs go to and the flag
+    that ends the loop (shutdown asked, or the front end gone)."""
 
     def __init__(self, conn: Connection, parts: EngineParts):
         self.conn = conn
