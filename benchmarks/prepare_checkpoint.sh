@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Writes the benchmark model once: mci's `small` DeepSeek-V3-architecture checkpoint (108M params,
 # random weights, bf16, HF format) into benchmarks/.peers/small-bf16, and its GGUF bf16
-# conversion for llama.cpp into benchmarks/.peers/small-bf16.gguf. Idempotent.
+# conversion for llama.cpp into benchmarks/.peers/small-bf16.gguf; the same model made with
+# --fp8 (e4m3, 128x128 block scales, DeepSeek-V3's format) into benchmarks/.peers/small-fp8,
+# and the bf16 checkpoint converted to llama.cpp's q8_0 into benchmarks/.peers/small-q8_0.gguf.
+# Idempotent.
 #
 #   bash benchmarks/prepare_checkpoint.sh
 #   MCI="env PYTHONPATH=/tmp/mci-bench /work/main/.venv/bin/python -m mci" bash benchmarks/prepare_checkpoint.sh
@@ -18,6 +21,8 @@ if [ -z "${MCI:-}" ]; then
 fi
 CKPT=$PEERS/small-bf16
 GGUF=$PEERS/small-bf16.gguf
+FP8=$PEERS/small-fp8
+Q8=$PEERS/small-q8_0.gguf
 LLAMA_CPP_DIR=$(ls -d "$PEERS"/llama-cpp-python-*/vendor/llama.cpp 2>/dev/null | tail -1)
 
 if [ ! -f "$CKPT/model.safetensors" ]; then
@@ -25,7 +30,12 @@ if [ ! -f "$CKPT/model.safetensors" ]; then
     $MCI make-checkpoint --size small --dtype bfloat16 --out "$CKPT"
 fi
 
-if [ ! -f "$GGUF" ]; then
+if [ ! -f "$FP8/model.safetensors" ]; then
+    rm -rf "$FP8"
+    $MCI make-checkpoint --size small --dtype bfloat16 --fp8 --out "$FP8"
+fi
+
+if [ ! -f "$GGUF" ] || [ ! -f "$Q8" ]; then
     [ -n "$LLAMA_CPP_DIR" ] || { echo "run benchmarks/install_peers.sh llama first" >&2; exit 1; }
     # The converter reads the MoE router's scoring function from config.json and silently falls
     # back to softmax routing without "scoring_func": "sigmoid". Convert from a shadow directory
@@ -42,8 +52,12 @@ cfg["scoring_func"] = "sigmoid"
 cfg["topk_method"] = "noaux_tc"
 json.dump(cfg, open(sys.argv[2], "w"), indent=2)
 PY
-    LLAMA_CPP_DIR=$LLAMA_CPP_DIR "$PEERS/llama-venv/bin/python" "$HERE/convert_gguf.py" \
-        "$SHADOW" --outtype bf16 --outfile "$GGUF.tmp"
-    mv "$GGUF.tmp" "$GGUF"
+    for out in "$GGUF:bf16" "$Q8:q8_0"; do
+        file=${out%:*}
+        [ -f "$file" ] && continue
+        LLAMA_CPP_DIR=$LLAMA_CPP_DIR "$PEERS/llama-venv/bin/python" "$HERE/convert_gguf.py" \
+            "$SHADOW" --outtype "${out#*:}" --outfile "$file.tmp"
+        mv "$file.tmp" "$file"
+    done
 fi
-ls -l "$CKPT" "$GGUF"
+ls -l "$CKPT" "$FP8" "$GGUF" "$Q8"

@@ -41,6 +41,8 @@ ROOT = HERE.parent
 PEERS = HERE / ".peers"
 CKPT = PEERS / "small-bf16"
 GGUF = PEERS / "small-bf16.gguf"
+FP8_CKPT = PEERS / "small-fp8"  # the same model made with --fp8 (e4m3, 128x128 block scales)
+Q8_GGUF = PEERS / "small-q8_0.gguf"  # the bf16 checkpoint converted with --outtype q8_0
 VLLM_PY = PEERS / "vllm-venv" / "bin" / "python"
 LLAMA_SERVER = PEERS / "llama.cpp-build" / "bin" / "llama-server"
 VOCAB = 8000  # random prompt ids below this: inside the model's 8192, special ids (< 10) excluded
@@ -121,8 +123,10 @@ WORKLOAD_TEXT = {
     "prefix": "32 at once, 1,024 shared + 32 unique in / 32 out",
     "single": "1 request, 32 in / 256 out",
 }
-ENGINES = ("mci", "vllm", "llama.cpp", "mci-deterministic")
-DEFAULT_ENGINES = ("mci", "vllm", "llama.cpp")  # mci-deterministic: mci with --deterministic
+ENGINES = ("mci", "vllm", "llama.cpp", "mci-deterministic", "mci-fp8", "llama.cpp-q8_0")
+# mci-deterministic: mci with --deterministic; mci-fp8: mci on the FP8 checkpoint;
+# llama.cpp-q8_0: llama.cpp on the model converted to q8_0 (8.5 bits per weight)
+DEFAULT_ENGINES = ("mci", "vllm", "llama.cpp")
 # Longest request: 1,024 + 32 in + 32 out (prefix). Every engine gets room for 2,048 per sequence.
 MAX_MODEL_LEN = 2048
 # llama-server splits its context evenly over its slots: 32 slots for 32 concurrent requests.
@@ -257,10 +261,10 @@ class Server:
 def engine_cmd(name: str, port: int, args) -> tuple[list[str], dict]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
-    if name in ("mci", "mci-deterministic"):
+    if name in ("mci", "mci-deterministic", "mci-fp8"):
         cmd = shlex.split(args.mci_cmd) + [
             "--model-path",
-            str(CKPT),
+            str(FP8_CKPT if name == "mci-fp8" else CKPT),
             "--port",
             str(port),
             "--served-model-name",
@@ -293,11 +297,11 @@ def engine_cmd(name: str, port: int, args) -> tuple[list[str], dict]:
             '{"topk_method": "noaux_tc", "scoring_func": "sigmoid"}',
         ]
         return cmd + shlex.split(args.vllm_extra), env
-    if name == "llama.cpp":
+    if name in ("llama.cpp", "llama.cpp-q8_0"):
         cmd = [
             str(LLAMA_SERVER),
             "-m",
-            str(GGUF),
+            str(Q8_GGUF if name == "llama.cpp-q8_0" else GGUF),
             "--alias",
             SERVED_NAME,
             "--host",
@@ -329,6 +333,8 @@ def peer_versions(engines: list[str], args) -> dict:
     v = {"mci": f"commit {git_commit(Path(args.mci_src))} ({args.mci_src})"}
     if "mci-deterministic" in engines:
         v["mci-deterministic"] = v["mci"] + ", with --deterministic"
+    if "mci-fp8" in engines:
+        v["mci-fp8"] = v["mci"] + f", on {FP8_CKPT.name}"
     if "vllm" in engines:
         v["vllm"] = version_of(
             [
@@ -338,22 +344,34 @@ def peer_versions(engines: list[str], args) -> dict:
                 "torch {torch.__version__}')",
             ]
         )
-    if "llama.cpp" in engines:
+    for name in ("llama.cpp", "llama.cpp-q8_0"):
+        if name not in engines:
+            continue
         sdist = sorted(PEERS.glob("llama-cpp-python-*"))
         ver = version_of([str(LLAMA_SERVER), "--version"]).splitlines()
-        v["llama.cpp"] = (
+        v[name] = (
             f"llama-server {' '.join(line for line in ver if 'version' in line)}"
             f", from the llama.cpp vendored in {sdist[-1].name if sdist else '?'}"
+            f", on {(Q8_GGUF if name.endswith('q8_0') else GGUF).name}"
         )
     return v
 
 
+def ratio_pairs(engines: list[str]) -> list[tuple[str, str]]:
+    """The (a, b) columns a / b of the table: mci against every peer; with mci-fp8, FP8
+    against mci's bf16 and against llama.cpp's q8_0."""
+    pairs = []
+    if "mci" in engines:
+        pairs += [("mci", e) for e in engines if e not in ("mci", "mci-fp8")]
+    if "mci-fp8" in engines:
+        pairs += [("mci-fp8", e) for e in ("mci", "llama.cpp-q8_0") if e in engines]
+    return pairs
+
+
 def render(summary: dict) -> str:
     engines = summary["engines"]
-    peers = [e for e in engines if e != "mci"]
-    head = ["workload", "metric", *engines]
-    if "mci" in engines:
-        head += [f"mci/{p}" for p in peers]
+    ratios = ratio_pairs(engines)
+    head = ["workload", "metric", *engines] + [f"{a}/{b}" for a, b in ratios]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for wl in summary["workloads"]:
         for label, _path, unit, higher in WORKLOADS[wl][1]:
@@ -373,12 +391,8 @@ def render(summary: dict) -> str:
                 if failed:
                     cell += f" [{failed} failed]"
                 row.append(cell)
-            if "mci" in engines:
-                for p in peers:
-                    if "mci" in vals and p in vals and vals[p]:
-                        row.append(f"{vals['mci'] / vals[p]:.2f}")
-                    else:
-                        row.append("n/a")
+            for a, b in ratios:
+                row.append(f"{vals[a] / vals[b]:.2f}" if a in vals and vals.get(b) else "n/a")
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -490,6 +504,8 @@ def main() -> int:
         "mci-deterministic": [CKPT / "config.json"],
         "vllm": [VLLM_PY, CKPT / "config.json"],
         "llama.cpp": [LLAMA_SERVER, GGUF],
+        "mci-fp8": [FP8_CKPT / "config.json"],
+        "llama.cpp-q8_0": [LLAMA_SERVER, Q8_GGUF],
     }
     missing = [str(p) for e in engines for p in need[e] if not p.exists()]
     if missing:

@@ -14,14 +14,21 @@ from pathlib import Path
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_matvec.c", "cpu_mla.c", "cpu_moe.c", "cpu_amx.c", "cpu_prefill_attention.c")
+    for name in (
+        "cpu_matvec.c",
+        "cpu_fp8.c",
+        "cpu_mla.c",
+        "cpu_moe.c",
+        "cpu_amx.c",
+        "cpu_prefill_attention.c",
+    )
 ]
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 # -ffp-contract=off: where the C code writes a product and then a sum (rope, the experts'
 # weighted sum), they stay two roundings, as in the torch code they stand in for (explicit
 # fused multiply-add intrinsics elsewhere are unaffected).
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
-         "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16"]  # fmt: skip
+         "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mfma", "-mamx-tile", "-mamx-bf16"]  # fmt: skip
 
 
 def cpu_flags() -> str:
@@ -33,9 +40,14 @@ def cpu_flags() -> str:
 
 
 def cpu_supports() -> bool:
-    """The CPU runs the kernels' instructions (AVX512-BF16; AMX is checked apart)."""
+    """The CPU runs the kernels' instructions (AVX512-BF16; AMX and VBMI are checked apart)."""
     flags = cpu_flags()
     return " avx512_bf16" in flags and " avx512bw" in flags
+
+
+def cpu_supports_fp8() -> bool:
+    """The CPU runs the FP8 kernels' byte lookups (AVX512-VBMI's vpermi2b; cpu_fp8.c)."""
+    return " avx512vbmi" in cpu_flags()
 
 
 def _build(target: Path) -> None:

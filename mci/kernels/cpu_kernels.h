@@ -84,9 +84,40 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* A weight [n, k] as the matmuls read it: bf16 (scale NULL), or FP8 e4m3 with 128x128 block
+ * scales: scale_inv [scale_rows, ceil(k / 128)] float32, row_block[r] the scale row of weight
+ * row r (stacked parts each start a new scale row; mci/layers/linear.py). Stacked experts:
+ * expert e's weight starts e * n * k elements in and its scales e * scale_rows rows in
+ * (`expert_weight`). */
+typedef struct {
+    const void *data;
+    const float *scale;
+    const int64_t *row_block;
+    long scale_rows;
+} Weight;
+
+static inline Weight expert_weight(const Weight *w, long e, long n, long k) {
+    Weight r = *w;
+    if (w->scale) {
+        r.data = (const uint8_t *)w->data + e * n * k;
+        r.scale = w->scale + e * w->scale_rows * ((k + 127) / 128);
+    } else {
+        r.data = (const uint16_t *)w->data + e * n * k;
+    }
+    return r;
+}
+
+/* One weight's rows [n0, n1) for all m rows of x into a sink, bf16 or FP8. cpu_matvec.c. */
+void mci_weight_rows(const uint16_t *x, long ldx, const Weight *w, long k, Sink y, long m,
+                     long n0, long n1);
+
+/* The same for an FP8 weight. cpu_fp8.c. */
+void mci_fp8_rows_range(const uint16_t *x, long ldx, const Weight *w, long k, Sink y, long m,
+                        long n0, long n1);
+
 /* Stacked experts into a sink: for each segment s, rows [starts[s], starts[s] + counts[s]) of
- * x go through expert ids[s] (w + ids[s] * n * k, an [n, k] weight). cpu_matvec.c. */
-void mci_experts_into(const uint16_t *x, long ldx, const uint16_t *w, Sink y,
+ * x go through expert ids[s] (`expert_weight`, an [n, k] weight). cpu_matvec.c. */
+void mci_experts_into(const uint16_t *x, long ldx, const Weight *w, Sink y,
                       const int64_t *ids, const int64_t *starts, const int64_t *counts,
                       long segments, long n, long k);
 
@@ -101,9 +132,10 @@ void mci_share(long n, int id, int count, long *n0, long *n1);
 void mci_rms_norm(const void *x, long ldx, int x_bf16, const uint16_t *w, void *y, int y_bf16,
                   long rows, long n, float eps);
 
-/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ w [n, k]^T; bf16. cpu_matvec.c. */
-void mci_bf16_linear(const uint16_t *x, long ldx, const uint16_t *w, uint16_t *y, long ldy,
-                     long m, long n, long k);
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ w [n, k]^T; bf16 x and y, w bf16
+ * or FP8. cpu_matvec.c. */
+void mci_linear(const uint16_t *x, long ldx, const Weight *w, uint16_t *y, long ldy, long m,
+                long n, long k);
 
 /* Routed experts on AMX tiles (cpu_amx.c): as mci_experts_into, with the weights packed by
  * mci_amx_pack; n and k multiples of 32. */

@@ -1,4 +1,6 @@
-"""Skinny bf16 matmuls on the CPU (decode sizes: up to 16 rows), decode attention over the
+"""Skinny matmuls on the CPU (decode sizes: up to 16 rows) over bf16 weights or FP8 e4m3
+block-scaled weights read in place (cpu_fp8.c: the FP8 matmuls take any number of rows, bit
+for bit the bf16 kernel's result on the dequantised weight), decode attention over the
 latent cache read in place, and the small per-token steps around them (RMSNorm, rope, the
 latent cache write), from cpu_matvec.c; the gated MLP and the whole MoE block at those sizes
 in one call each, from cpu_moe.c; prefill attention's scores and softmax, from
@@ -31,7 +33,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from mci.kernels.build import built_library, cpu_flags, cpu_supports
+from mci.kernels.build import built_library, cpu_flags, cpu_supports, cpu_supports_fp8
 
 log = logging.getLogger(__name__)
 
@@ -65,25 +67,77 @@ def load() -> CpuKernels | None:
         lib = ctypes.CDLL(str(built_library()))
         # AMX only where the CPU has it and the kernel grants this process its tile state
         amx = " amx_bf16" in cpu_flags() and lib.mci_amx_init() == 0
-        return CpuKernels(lib, amx)
+        return CpuKernels(lib, amx, fp8=cpu_supports_fp8())
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("CPU kernels unavailable (%s); using oneDNN", exc)
         return None
 
 
+class _Weight(ctypes.Structure):
+    """cpu_kernels.h's Weight."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("row_block", ctypes.c_void_p),
+        ("scale_rows", ctypes.c_long),
+    ]
+
+
+class KernelWeight:
+    """A weight as the kernels read it, in place: bf16 data [(E,) n, k], or FP8 e4m3 data with
+    its 128x128 block scales, scale_inv float32 [(E,) scale_rows, ceil(k / 128)], and
+    row_block int64 [n] (the scale row of each weight row: mci/layers/linear.py's Linear).
+    Holds the tensors, so the addresses it hands the kernels stay valid while it lives."""
+
+    def __init__(
+        self,
+        data: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        row_block: torch.Tensor | None = None,
+    ):
+        fp8 = data.dtype == torch.float8_e4m3fn
+        if not data.is_contiguous() or data.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+            raise ValueError("KernelWeight: contiguous bf16 or float8_e4m3fn data")
+        if fp8 != (scale is not None) or (scale is None) != (row_block is None):
+            raise ValueError("KernelWeight: FP8 data takes scale_inv and row_block, bf16 neither")
+        self.n, self.k = data.shape[-2], data.shape[-1]
+        self.data, self.scale, self.row_block = data, scale, row_block
+        self.fp8 = fp8
+        if fp8:
+            blocks = -(-self.k // 128)
+            self.scale = scale = scale.float().contiguous()
+            self.row_block = row_block = row_block.to(torch.long).contiguous()
+            if scale.shape[-1] != blocks or row_block.shape != (self.n,):
+                raise ValueError("KernelWeight: scales must be 128x128 blocks of the weight")
+        self.struct = _Weight(
+            data.data_ptr(),
+            None if scale is None else scale.data_ptr(),
+            None if row_block is None else row_block.data_ptr(),
+            0 if scale is None else scale.shape[-2],
+        )
+        self.address = ctypes.addressof(self.struct)
+
+
+def kernel_weight(weight: torch.Tensor | KernelWeight) -> KernelWeight:
+    """`weight` as a KernelWeight (a bf16 tensor is wrapped as it is)."""
+    return weight if isinstance(weight, KernelWeight) else KernelWeight(weight.contiguous())
+
+
 class MLAWeights(Protocol):
-    """What `CpuKernels.mla_decode` reads of an attention layer (bf16 weights, contiguous;
-    mci/layers/attention.py's MultiHeadLatentAttention and its norms)."""
+    """What `CpuKernels.mla_decode` reads of an attention layer (the projections bf16 or FP8,
+    the rest bf16, contiguous; mci/layers/attention.py's MultiHeadLatentAttention and its
+    norms)."""
 
     norm: tuple[torch.Tensor, float]  # the layer's input RMSNorm (weight, eps)
-    qkv_a: torch.Tensor  # [q_dim + c + r, hidden]
+    qkv_a: KernelWeight  # [q_dim + c + r, hidden]
     q_dim: int
     q_norm: tuple[torch.Tensor, float] | None  # with q_lora: its RMSNorm
-    q_b: torch.Tensor | None  # with q_lora: [heads * (nope + r), q_dim]
+    q_b: KernelWeight | None  # with q_lora: [heads * (nope + r), q_dim]
     kv_norm: tuple[torch.Tensor, float]
     w_uk_t: torch.Tensor  # [heads, c, nope]
     w_uv: torch.Tensor  # [heads, v, c]
-    o: torch.Tensor  # [hidden, heads * v]
+    o: KernelWeight  # [hidden, heads * v]
     heads: int
     nope: int
     rope: int
@@ -103,22 +157,24 @@ class MoERouting(Protocol):
 
 
 class CpuKernels:
-    """Typed entry points of the compiled library. Inputs: bf16 CPU tensors, weights
-    contiguous, activations with a unit last-dimension stride."""
+    """Typed entry points of the compiled library. Inputs: bf16 CPU tensors, activations with
+    a unit last-dimension stride; matmul weights bf16 tensors (contiguous) or `KernelWeight`s
+    (bf16 or FP8, FP8 only where `fp8`)."""
 
-    def __init__(self, lib: ctypes.CDLL, amx: bool):
+    def __init__(self, lib: ctypes.CDLL, amx: bool, fp8: bool):
         self.amx = amx  # the AMX expert kernels run here (cpu_amx.c)
+        self.fp8 = fp8  # the FP8 matmuls run here (cpu_fp8.c: AVX512-VBMI)
         ptr, long = ctypes.c_void_p, ctypes.c_long
         self._amx_pack = lib.mci_amx_pack
         self._amx_pack.argtypes = [ptr, long, long, long, ptr]
         self._amx_pack.restype = None
-        self._linear = lib.mci_bf16_linear
+        self._linear = lib.mci_linear
         self._linear.argtypes = [ptr, long, ptr, ptr, long, long, long, long]
         self._linear.restype = None
-        self._experts = lib.mci_bf16_expert_linear
+        self._experts = lib.mci_expert_linear
         self._experts.argtypes = [ptr, long, ptr, ptr, long, ptr, ptr, ptr, long, long, long]
         self._experts.restype = None
-        self._combine = lib.mci_bf16_expert_linear_combine
+        self._combine = lib.mci_expert_linear_combine
         self._combine.argtypes = [ptr, long, ptr, ptr, ptr, ptr, ptr, ptr, ptr, long, long, long]
         self._combine.restype = None
         self._attention = lib.mci_bf16_latent_decode_attention
@@ -136,15 +192,15 @@ class CpuKernels:
         self._latent.argtypes = [ptr, long, ptr, ctypes.c_float, ptr, ptr, ctypes.c_int, ptr,
                                  ptr, long, long, long]  # fmt: skip
         self._latent.restype = None
-        self._gated_mlp = lib.mci_bf16_gated_mlp
+        self._gated_mlp = lib.mci_gated_mlp
         self._gated_mlp.argtypes = [ptr, long, ptr, ptr, long, long, long, ptr]
         self._gated_mlp.restype = None
-        self._moe = lib.mci_bf16_moe
+        self._moe = lib.mci_moe
         self._moe.argtypes = [ptr, ptr, ptr, long, long, long, long, long, ctypes.c_int,
                               ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr, long, long, ptr,
                               ptr, long, long, ptr]  # fmt: skip
         self._moe.restype = ctypes.c_int
-        self._mla = lib.mci_bf16_mla_decode
+        self._mla = lib.mci_mla_decode
         self._mla.argtypes = [ptr, long, long, ptr, ctypes.c_float, ptr, long, ptr,
                               ctypes.c_float, ptr, long, long, long, long, long, ptr,
                               ctypes.c_float, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr,
@@ -211,24 +267,42 @@ class CpuKernels:
             lse[:, rows] = part_lse
         return out.view(b, h, nq, dv), lse.view(b, h, nq)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [m, k] @ weight [n, k]^T -> [m, n], bf16."""
+    def _check(self, weight: KernelWeight) -> KernelWeight:
+        if weight.fp8 and not self.fp8:
+            raise ValueError("the FP8 kernels need AVX512-VBMI, which this CPU lacks")
+        return weight
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor | KernelWeight, expert: int | None = None
+    ) -> torch.Tensor:
+        """x [m, k] @ weight [n, k]^T (of stacked weight [E, n, k]'s `expert`) -> [m, n],
+        bf16."""
+        weight = self._check(kernel_weight(weight))
         m, k = x.shape
-        n = weight.shape[0]
+        n = weight.n
         if x.stride(1) != 1:
             x = x.contiguous()
         y = torch.empty(m, n, dtype=torch.bfloat16)
-        self._linear(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), n, m, n, k)
+        if expert is not None:  # one segment of all the rows
+            segments = torch.tensor([[expert], [0], [m]], dtype=torch.long)
+            ids, starts, counts = segments
+            self._experts(
+                x.data_ptr(), x.stride(0), weight.address, y.data_ptr(), n, ids.data_ptr(),
+                starts.data_ptr(), counts.data_ptr(), 1, n, k,
+            )  # fmt: skip
+            return y
+        self._linear(x.data_ptr(), x.stride(0), weight.address, y.data_ptr(), n, m, n, k)
         return y
 
     def expert_linear(
-        self, x: torch.Tensor, weight: torch.Tensor, segments: torch.Tensor
+        self, x: torch.Tensor, weight: torch.Tensor | KernelWeight, segments: torch.Tensor
     ) -> torch.Tensor:
         """x [A, k] (rows grouped by expert), stacked weight [E, n, k], segments int64 [3, S]
         (expert id, first row, row count of each group) -> [A, n], bf16: each group of rows
         through its expert."""
+        weight = self._check(kernel_weight(weight))
         a, k = x.shape
-        n = weight.shape[1]
+        n = weight.n
         if x.stride(1) != 1:
             x = x.contiguous()
         y = torch.empty(a, n, dtype=torch.bfloat16)
@@ -236,7 +310,7 @@ class CpuKernels:
         self._experts(
             x.data_ptr(),
             x.stride(0),
-            weight.data_ptr(),
+            weight.address,
             y.data_ptr(),
             n,
             ids.data_ptr(),
@@ -251,7 +325,7 @@ class CpuKernels:
     def expert_linear_combine(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        weight: torch.Tensor | KernelWeight,
         segments: torch.Tensor,
         tokens: torch.Tensor,
         weights: torch.Tensor,
@@ -260,8 +334,9 @@ class CpuKernels:
         """`expert_linear`, each output row a then rounded to bf16, weighted and added into
         float32 `out` [*, n]: out[tokens[a]] += weights[a] * row a (tokens int64, weights
         float32, one per row of x), in row order. Returns `out`."""
+        weight = self._check(kernel_weight(weight))
         k = x.shape[1]
-        n = weight.shape[1]
+        n = weight.n
         if x.stride(1) != 1:
             x = x.contiguous()
         tokens, weights = tokens.contiguous(), weights.contiguous().float()
@@ -271,7 +346,7 @@ class CpuKernels:
         self._combine(
             x.data_ptr(),
             x.stride(0),
-            weight.data_ptr(),
+            weight.address,
             out.data_ptr(),
             tokens.data_ptr(),
             weights.data_ptr(),
@@ -405,16 +480,22 @@ class CpuKernels:
             d - c,
         )
 
-    def gated_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    def gated_mlp(
+        self,
+        x: torch.Tensor,
+        gate_up: torch.Tensor | KernelWeight,
+        down: torch.Tensor | KernelWeight,
+    ) -> torch.Tensor:
         """mci/layers/mlp.py's GatedMLP: x [m, hidden] bf16 (unit column stride), gate_up
         [2 * inter, hidden], down [hidden, inter] -> [m, hidden] bf16, the same roundings."""
+        gate_up, down = self._check(kernel_weight(gate_up)), self._check(kernel_weight(down))
         m, hidden = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
         y = torch.empty(m, hidden, dtype=torch.bfloat16)
-        inter = down.shape[1]
+        inter = down.k
         self._gated_mlp(
-            x.data_ptr(), x.stride(0), gate_up.data_ptr(), down.data_ptr(), m, hidden, inter,
+            x.data_ptr(), x.stride(0), gate_up.address, down.address, m, hidden, inter,
             y.data_ptr(),
         )  # fmt: skip
         return y
@@ -435,9 +516,9 @@ class CpuKernels:
         x: torch.Tensor,
         logits: torch.Tensor,
         router: MoERouting,
-        experts: tuple[torch.Tensor, torch.Tensor],
+        experts: tuple[torch.Tensor | KernelWeight, torch.Tensor | KernelWeight],
         amx: tuple[torch.Tensor, torch.Tensor] | None,
-        shared: tuple[torch.Tensor, torch.Tensor] | None,
+        shared: tuple[torch.Tensor | KernelWeight, torch.Tensor | KernelWeight] | None,
         max_rows: int,
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """mci/layers/moe.py's MoE after the router's matmul: x float32 [T, hidden], logits
@@ -447,7 +528,7 @@ class CpuKernels:
         -> (out float32 [T, hidden], or None when an expert has more than `max_rows` tokens
         and there are no AMX weights; routing weights float32 [T, K]; expert ids int64
         [T, K])."""
-        gate_up, down = experts
+        gate_up, down = (self._check(kernel_weight(w)) for w in experts)
         amx_gate_up, amx_down = amx if amx is not None else (None, None)
         t, hidden = x.shape
         e, k = logits.shape[1], router.top_k
@@ -455,16 +536,18 @@ class CpuKernels:
         weights = torch.empty(t, k, dtype=torch.float32)
         ids = torch.empty(t, k, dtype=torch.long)
         out = torch.empty(t, hidden, dtype=torch.float32)
-        s_gate_up, s_down = shared if shared is not None else (None, None)
+        s_gate_up, s_down = (
+            (self._check(kernel_weight(w)) for w in shared) if shared is not None else (None, None)
+        )
         status = self._moe(
             x.data_ptr(), logits.data_ptr(), router.bias.data_ptr(), t, e, router.n_group,
             router.topk_group, k, int(router.norm_topk_prob), router.scaling,
-            weights.data_ptr(), ids.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
+            weights.data_ptr(), ids.data_ptr(), gate_up.address, down.address,
             None if amx_gate_up is None else amx_gate_up.data_ptr(),
             None if amx_down is None else amx_down.data_ptr(), hidden,
-            down.shape[2], None if s_gate_up is None else s_gate_up.data_ptr(),
-            None if s_down is None else s_down.data_ptr(),
-            0 if s_down is None else s_down.shape[1], max_rows, out.data_ptr(),
+            down.k, None if s_gate_up is None else s_gate_up.address,
+            None if s_down is None else s_down.address,
+            0 if s_down is None else s_down.k, max_rows, out.data_ptr(),
         )  # fmt: skip
         return (None if status else out), weights, ids
 
@@ -486,6 +569,9 @@ class CpuKernels:
         -> float32 [T, hidden]. The same steps as the layer's kernel path (cpu_mla.c)."""
         t, hidden = x.shape
         c, v = layer.w_uv.shape[2], layer.w_uv.shape[1]
+        for weight in (layer.qkv_a, layer.q_b, layer.o):
+            if weight is not None:
+                self._check(weight)
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         if kv_slots.stride(1) != 1 or not cache.is_contiguous():
             raise ValueError("mla_decode: cache rows and slots must be contiguous")
@@ -493,13 +579,13 @@ class CpuKernels:
         q_norm, q_eps = layer.q_norm if layer.q_norm is not None else (None, 0.0)
         status = self._mla(
             x.data_ptr(), t, hidden, layer.norm[0].data_ptr(), layer.norm[1],
-            layer.qkv_a.data_ptr(), layer.q_dim, None if q_norm is None else q_norm.data_ptr(),
-            q_eps, None if layer.q_b is None else layer.q_b.data_ptr(), layer.heads,
+            layer.qkv_a.address, layer.q_dim, None if q_norm is None else q_norm.data_ptr(),
+            q_eps, None if layer.q_b is None else layer.q_b.address, layer.heads,
             layer.nope, layer.rope, c, v, layer.kv_norm[0].data_ptr(), layer.kv_norm[1],
             cos.data_ptr(), sin.data_ptr(), int(layer.interleave), cache.data_ptr(),
             write_slots.data_ptr(), layer.w_uk_t.data_ptr(), layer.w_uv.data_ptr(),
             kv_slots.data_ptr(), kv_slots.stride(0), lengths.data_ptr(), layer.scale,
-            layer.o.data_ptr(), out.data_ptr(),
+            layer.o.address, out.data_ptr(),
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"mla_decode: kv_lora_rank {c} > {MAX_LATENT}")

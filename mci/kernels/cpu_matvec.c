@@ -105,36 +105,46 @@ void mci_share(long n, int id, int count, long *n0, long *n1) {
     *n1 = b1 * FEATS < n ? b1 * FEATS : n;
 }
 
-/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ w [n, k]^T; all bf16, w contiguous. */
-void mci_bf16_linear(const uint16_t *x, long ldx, const uint16_t *w, uint16_t *y, long ldy,
-                     long m, long n, long k) {
+void mci_weight_rows(const uint16_t *x, long ldx, const Weight *w, long k, Sink y, long m,
+                     long n0, long n1) {
+    if (w->scale)
+        mci_fp8_rows_range(x, ldx, w, k, y, m, n0, n1);
+    else
+        mci_rows_range(x, ldx, (const uint16_t *)w->data, k, y, m, n0, n1);
+}
+
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ w [n, k]^T; w contiguous. */
+void mci_linear(const uint16_t *x, long ldx, const Weight *w, uint16_t *y, long ldy, long m,
+                long n, long k) {
 #pragma omp parallel
     {
         long n0, n1;
         mci_share(n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
         const Sink sink = {y, ldy, 0, 0, 0};
-        mci_rows_range(x, ldx, w, k, sink, m, n0, n1);
+        mci_weight_rows(x, ldx, w, k, sink, m, n0, n1);
     }
 }
 
-void mci_experts_into(const uint16_t *x, long ldx, const uint16_t *w, Sink y,
+void mci_experts_into(const uint16_t *x, long ldx, const Weight *w, Sink y,
                       const int64_t *ids, const int64_t *starts, const int64_t *counts,
                       long segments, long n, long k) {
 #pragma omp parallel
     {
         long n0, n1;
         mci_share(n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
-        for (long s = 0; s < segments; s++)
-            mci_rows_range(x + starts[s] * ldx, ldx, w + ids[s] * n * k, k, sink_rows(y, starts[s]),
-                       counts[s], n0, n1);
+        for (long s = 0; s < segments; s++) {
+            const Weight we = expert_weight(w, ids[s], n, k);
+            mci_weight_rows(x + starts[s] * ldx, ldx, &we, k, sink_rows(y, starts[s]),
+                            counts[s], n0, n1);
+        }
     }
 }
 
 /* Stacked experts: for each segment s, rows [starts[s], starts[s] + counts[s]) of x and y go
- * through expert ids[s]: w + ids[s] * n * k is that expert's [n, k] weight. */
-void mci_bf16_expert_linear(const uint16_t *x, long ldx, const uint16_t *w, uint16_t *y,
-                            long ldy, const int64_t *ids, const int64_t *starts,
-                            const int64_t *counts, long segments, long n, long k) {
+ * through expert ids[s] (`expert_weight`: that expert's [n, k] weight). */
+void mci_expert_linear(const uint16_t *x, long ldx, const Weight *w, uint16_t *y,
+                       long ldy, const int64_t *ids, const int64_t *starts,
+                       const int64_t *counts, long segments, long n, long k) {
     const Sink sink = {y, ldy, 0, 0, 0};
     mci_experts_into(x, ldx, w, sink, ids, starts, counts, segments, n, k);
 }
@@ -142,10 +152,10 @@ void mci_bf16_expert_linear(const uint16_t *x, long ldx, const uint16_t *w, uint
 /* The same, each output row then weighted and added into float32 rows: acc [*, n] (zeroed by
  * the caller) gets acc[tokens[a]] += weights[a] * y[a] for every row a, in row order (each
  * thread owns a slice of the n features, so no two threads touch one element). */
-void mci_bf16_expert_linear_combine(const uint16_t *x, long ldx, const uint16_t *w, float *acc,
-                                    const int64_t *tokens, const float *weights,
-                                    const int64_t *ids, const int64_t *starts,
-                                    const int64_t *counts, long segments, long n, long k) {
+void mci_expert_linear_combine(const uint16_t *x, long ldx, const Weight *w, float *acc,
+                               const int64_t *tokens, const float *weights,
+                               const int64_t *ids, const int64_t *starts,
+                               const int64_t *counts, long segments, long n, long k) {
     const Sink sink = {0, n, acc, tokens, weights};
     mci_experts_into(x, ldx, w, sink, ids, starts, counts, segments, n, k);
 }

@@ -191,15 +191,15 @@ static void per_head(const uint16_t *x, long ldx_t, long ldx_h, const uint16_t *
  * (w_uk_t [heads, c, nope]), attention of each row t over cache[kv_slots[t, :lens[t]]],
  * the values out of the latent space (w_uv [heads, v, c]), o_proj (w_o [hidden, heads * v]).
  * Returns -1 (nothing done) when c exceeds the attention kernel's MAX_LATENT. */
-int mci_bf16_mla_decode(const float *x, long t, long hidden, const uint16_t *norm_w,
-                        float norm_eps, const uint16_t *w_qkv_a, long q_dim,
-                        const uint16_t *q_norm_w, float q_eps, const uint16_t *w_q_b,
+int mci_mla_decode(const float *x, long t, long hidden, const uint16_t *norm_w,
+                        float norm_eps, const Weight *w_qkv_a, long q_dim,
+                        const uint16_t *q_norm_w, float q_eps, const Weight *w_q_b,
                         long heads, long nope, long r, long c, long v,
                         const uint16_t *kv_norm_w, float kv_eps, const float *cos,
                         const float *sin, int interleave, uint16_t *cache,
                         const int64_t *write_slots, const uint16_t *w_uk_t,
                         const uint16_t *w_uv, const int64_t *kv_slots, long ld_slots,
-                        const int64_t *lens, float scale, const uint16_t *w_o, float *out) {
+                        const int64_t *lens, float scale, const Weight *w_o, float *out) {
     if (c > MAX_LATENT) return -1;
     const long qk = nope + r, d = c + r, fused = q_dim + c + r;
     const long ldq = q_norm_w ? heads * qk : fused;
@@ -208,13 +208,13 @@ int mci_bf16_mla_decode(const float *x, long t, long hidden, const uint16_t *nor
     uint16_t *xn = malloc(sizeof(uint16_t) * size);
     uint16_t *qa = xn + t * hidden, *next = qa + t * fused, *q = qa;
     mci_rms_norm(x, hidden, 0, norm_w, xn, 1, t, hidden, norm_eps);
-    mci_bf16_linear(xn, hidden, w_qkv_a, qa, fused, t, fused, hidden);
+    mci_linear(xn, hidden, w_qkv_a, qa, fused, t, fused, hidden);
     if (q_norm_w) {
         uint16_t *qn = next;
         q = qn + t * q_dim;
         next = q + t * heads * qk;
         mci_rms_norm(qa, fused, 1, q_norm_w, qn, 1, t, q_dim, q_eps);
-        mci_bf16_linear(qn, q_dim, w_q_b, q, heads * qk, t, heads * qk, q_dim);
+        mci_linear(qn, q_dim, w_q_b, q, heads * qk, t, heads * qk, q_dim);
     }
     mci_write_latent_rows(qa + q_dim, fused, kv_norm_w, kv_eps, cos, sin, interleave, cache,
                           write_slots, t, c, r);
@@ -228,7 +228,7 @@ int mci_bf16_mla_decode(const float *x, long t, long hidden, const uint16_t *nor
     mci_bf16_latent_decode_attention(q_full, cache, kv_slots, ld_slots, lens, t, heads, d, c,
                                      scale, att);
     per_head(att, heads * c, c, w_uv, heads, c, v, o_in, heads * v, v, t);
-    mci_bf16_linear(o_in, heads * v, w_o, o, hidden, t, hidden, heads * v);
+    mci_linear(o_in, heads * v, w_o, o, hidden, t, hidden, heads * v);
     for (long i = 0; i < t * hidden; i++) out[i] = x[i] + bf16_to_float(o[i]);
     free(xn);
     return 0;

@@ -45,12 +45,12 @@ static void silu_mul(const uint16_t *gu, long rows, long inter, uint16_t *act) {
 
 /* y [m, hidden] bf16 = down(silu(gate(x)) * up(x)): x [m, hidden] bf16 (row stride ldx),
  * w_gate_up [2 * inter, hidden], w_down [hidden, inter]. */
-void mci_bf16_gated_mlp(const uint16_t *x, long ldx, const uint16_t *w_gate_up,
-                        const uint16_t *w_down, long m, long hidden, long inter, uint16_t *y) {
+void mci_gated_mlp(const uint16_t *x, long ldx, const Weight *w_gate_up, const Weight *w_down,
+                   long m, long hidden, long inter, uint16_t *y) {
     uint16_t *gu = malloc(sizeof(uint16_t) * m * 3 * inter), *act = gu + m * 2 * inter;
-    mci_bf16_linear(x, ldx, w_gate_up, gu, 2 * inter, m, 2 * inter, hidden);
+    mci_linear(x, ldx, w_gate_up, gu, 2 * inter, m, 2 * inter, hidden);
     silu_mul(gu, m, inter, act);
-    mci_bf16_linear(act, inter, w_down, y, hidden, m, hidden, inter);
+    mci_linear(act, inter, w_down, y, hidden, m, hidden, inter);
     free(gu);
 }
 
@@ -109,19 +109,19 @@ static void route(const float *logits, const float *bias, long e, long n_group, 
 
 /* The MoE block: x float32 [t, hidden] (rounded to bf16 for the experts, as MoE.forward
  * does), logits float32 [t, e] (the router's matmul), bias float32 [e]; w_gate_up
- * [e, 2 * inter, hidden], w_down [e, hidden, inter] (stacked, bf16), and the same packed for
+ * [e, 2 * inter, hidden], w_down [e, hidden, inter] (stacked, bf16 or FP8), and the same packed for
  * AMX (amx_gate_up, amx_down: cpu_amx.c) or NULL; the shared experts' w_s_gate_up
  * [2 * s_inter, hidden] and w_s_down [hidden, s_inter], or NULL. Experts with at most
  * max_rows tokens each run on the skinny kernels, else on AMX. Always writes each token's
  * routing, weights [t, top_k] and ids [t, top_k]. Returns 1, and stops there, when an expert
  * has more than max_rows tokens and there are no AMX weights (the caller's grouped matmuls
  * suit that step better); else writes out float32 [t, hidden] and returns 0. */
-int mci_bf16_moe(const float *x, const float *logits, const float *bias, long t, long e,
-                 long n_group, long topk_group, long top_k, int norm, float scaling,
-                 float *weights, int64_t *ids, const uint16_t *w_gate_up, const uint16_t *w_down,
-                 const uint16_t *amx_gate_up, const uint16_t *amx_down, long hidden, long inter,
-                 const uint16_t *w_s_gate_up, const uint16_t *w_s_down, long s_inter,
-                 long max_rows, float *out) {
+int mci_moe(const float *x, const float *logits, const float *bias, long t, long e,
+            long n_group, long topk_group, long top_k, int norm, float scaling, float *weights,
+            int64_t *ids, const Weight *w_gate_up, const Weight *w_down,
+            const uint16_t *amx_gate_up, const uint16_t *amx_down, long hidden, long inter,
+            const Weight *w_s_gate_up, const Weight *w_s_down, long s_inter, long max_rows,
+            float *out) {
 #pragma omp parallel for schedule(static) if (t >= 64)
     for (long r = 0; r < t; r++) {
         float scores[e], choice[e];
@@ -177,7 +177,7 @@ int mci_bf16_moe(const float *x, const float *logits, const float *bias, long t,
     }
     if (w_s_gate_up) { /* out + shared: float32 + bf16, as MoE.forward adds them */
         uint16_t *shared = malloc(sizeof(uint16_t) * t * hidden);
-        mci_bf16_gated_mlp(xb, hidden, w_s_gate_up, w_s_down, t, hidden, s_inter, shared);
+        mci_gated_mlp(xb, hidden, w_s_gate_up, w_s_down, t, hidden, s_inter, shared);
         for (long i = 0; i < t * hidden; i++) out[i] += bf16_to_float(shared[i]);
         free(shared);
     }

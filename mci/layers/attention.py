@@ -90,14 +90,14 @@ class _OneCallWeights:
     """A layer's weights as `cpu_kernels.CpuKernels.mla_decode` takes them (its MLAWeights)."""
 
     norm: tuple[torch.Tensor, float]
-    qkv_a: torch.Tensor
+    qkv_a: cpu_kernels.KernelWeight
     q_dim: int
     q_norm: tuple[torch.Tensor, float] | None
-    q_b: torch.Tensor | None
+    q_b: cpu_kernels.KernelWeight | None
     kv_norm: tuple[torch.Tensor, float]
     w_uk_t: torch.Tensor
     w_uv: torch.Tensor
-    o: torch.Tensor
+    o: cpu_kernels.KernelWeight
     heads: int
     nope: int
     rope: int
@@ -266,14 +266,14 @@ class MultiHeadLatentAttention(nn.Module):
             q_lora = self.q_lora_rank is not None
             self._one_call = _OneCallWeights(
                 norm=(norm.weight, norm.eps),
-                qkv_a=self.fused_qkv_a_proj.weight,
+                qkv_a=self.fused_qkv_a_proj.kernel,
                 q_dim=self.fused_qkv_a_proj.part_sizes[0],
                 q_norm=(self.q_a_layernorm.weight, self.q_a_layernorm.eps) if q_lora else None,
-                q_b=self.q_b_proj.weight if q_lora else None,
+                q_b=self.q_b_proj.kernel if q_lora else None,
                 kv_norm=(self.kv_a_layernorm.weight, self.kv_a_layernorm.eps),
                 w_uk_t=w_uk_t,
                 w_uv=w_uv,
-                o=self.o_proj.weight,
+                o=self.o_proj.kernel,
                 heads=self.num_heads,
                 nope=self.nope,
                 rope=self.rope_dim,

@@ -6,13 +6,17 @@ the output dimension, so they run as one matmul (e.g. `gate_proj` + `up_proj` ->
 
     weight [(E,) out_0 + out_1 + ..., in]        part j owns rows offset_j .. offset_j + out_j
 
-FP8 weights stay FP8 in memory (one byte per parameter) and are dequantised to the activation
-dtype at use. Each part keeps its own 128x128 block scales, stacked the same way:
+FP8 weights stay FP8 in memory (one byte per parameter). Each part keeps its own 128x128
+block scales, stacked the same way:
 
     weight_scale_inv [(E,) ceil(out_0/128) + ceil(out_1/128) + ..., ceil(in/128)]
 
 `row_block[r]` / `col_block[c]` give the scale row / column of weight row r / column c, so
-dequantisation is one gather and one multiply whatever the parts' alignment.
+dequantisation is one gather and one multiply whatever the parts' alignment. On the CPU the
+matmuls read the FP8 bytes in place (mci/kernels/cpu_fp8.c, any number of rows: bit for bit
+the bf16 kernel's result on `dense_weight`, and the same for a row whatever else shares its
+call, so also under `--deterministic`); elsewhere, or without the kernels, the weight is
+dequantised to the activation dtype at each use (`dense_weight`).
 
 On the CPU an engine packs bf16 weights once into oneDNN's blocked layout
 (`pack_for_cpu`). aten's own bf16 matmul goes through oneDNN too but re-lays the weight out on
@@ -155,6 +159,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self._packed: list[torch.Tensor] | None = None  # oneDNN copy, per expert when stacked
         self.matvec: cpu_kernels.CpuKernels | None = None  # skinny-matmul kernels (CPU)
+        self.kernel: cpu_kernels.KernelWeight | None = None  # the weight as they read it
         self.fixed_rows: int | None = None  # rows per call, for batch invariance (see above)
         if fp8_block is None:
             return
@@ -187,16 +192,29 @@ class Linear(nn.Module):
         return (weight.to(torch.float32) * full_scale).to(dtype)
 
     def pack_for_cpu(self, skinny_kernels: bool = True) -> bool:
-        """Keep a oneDNN-packed copy of a bf16 weight for `forward` (inference on the CPU;
-        FP8 stays one byte per parameter). Costs one more copy of the weight. With
-        `skinny_kernels`, calls of a few rows use mci/kernels/cpu_kernels.py where it runs.
-        Returns whether it packed."""
+        """Prepare for inference on the CPU. bf16: keep a oneDNN-packed copy of the weight for
+        `forward` (one more copy of it), and with `skinny_kernels` use
+        mci/kernels/cpu_kernels.py for calls of a few rows where it runs. FP8 (128x128
+        blocks): with `skinny_kernels`, every call reads the FP8 weight in place through the
+        kernels where they run, else it is dequantised at use. Returns whether it prepared
+        anything."""
         w = self.weight
+        if w.device.type != "cpu":
+            return False
+        kernels = cpu_kernels.load() if skinny_kernels else None
+        if self.block is not None:
+            self.matvec = self.kernel = None
+            if kernels is None or not kernels.fp8 or self.block != (128, 128):
+                return False
+            self.matvec = kernels
+            self.kernel = cpu_kernels.KernelWeight(w, self.weight_scale_inv, self.row_block)
+            return True
         if w.dtype != torch.bfloat16 or not can_pack(w):
             return False
         if self._packed is None:
             self._packed = [pack_weight(r) for r in ([w] if w.dim() == 2 else list(w))]
-        self.matvec = cpu_kernels.load() if skinny_kernels else None
+        self.matvec = kernels
+        self.kernel = cpu_kernels.KernelWeight(w.contiguous()) if kernels is not None else None
         return True
 
     def warm_up(self, max_rows: int) -> int:
@@ -227,13 +245,14 @@ class Linear(nn.Module):
         return self.matvec
 
     def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
-        if self._packed is not None and x.dtype == self.weight.dtype and not x.requires_grad:
+        if self.kernel is not None and x.dtype == torch.bfloat16 and not x.requires_grad:
             rows = x.numel() // x.shape[-1]
-            matvec = self.skinny(rows)
+            # FP8: the kernels at every row count (see the module docstring)
+            matvec = self.matvec if self.kernel.fp8 else self.skinny(rows)
             if matvec is not None:
-                weight = self.weight if expert is None else self.weight[expert]
-                out = matvec.linear(x.reshape(rows, x.shape[-1]), weight)
+                out = matvec.linear(x.reshape(rows, x.shape[-1]), self.kernel, expert)
                 return out.view(x.shape[:-1] + out.shape[-1:])
+        if self._packed is not None and x.dtype == self.weight.dtype and not x.requires_grad:
             packed = self._packed[0 if expert is None else expert]
             return packed_linear(x, packed, self.fixed_rows)
         return F.linear(x, self.dense_weight(x.dtype, expert))

@@ -218,10 +218,10 @@ class RoutedExperts(nn.Module):
         for c in sizes[:-1]:
             starts.append(starts[-1] + c)
         segments = torch.tensor([ids, starts, sizes], dtype=torch.long)
-        gate, up = matvec.expert_linear(x_sorted, self.gate_up_proj.weight, segments).chunk(2, -1)
+        gate, up = matvec.expert_linear(x_sorted, self.gate_up_proj.kernel, segments).chunk(2, -1)
         out = torch.zeros(num_tokens, self.down_proj.out_features, dtype=torch.float32)
         return matvec.expert_linear_combine(
-            F.silu(gate) * up, self.down_proj.weight, segments, token_idx, sorted_weights, out
+            F.silu(gate) * up, self.down_proj.kernel, segments, token_idx, sorted_weights, out
         )
 
     def warm_up(self) -> int:
@@ -323,9 +323,9 @@ class MoE(nn.Module):
                 x,
                 self.gate.logits(x),
                 self.gate,
-                (self.experts.gate_up_proj.weight, self.experts.down_proj.weight),
+                (self.experts.gate_up_proj.kernel, self.experts.down_proj.kernel),
                 self.experts.amx,
-                (shared.gate_up_proj.weight, shared.down_proj.weight) if in_call else None,
+                (shared.gate_up_proj.kernel, shared.down_proj.kernel) if in_call else None,
                 cpu_kernels.EXPERT_MAX_ROWS,
             )
             if out is not None:

@@ -1,0 +1,259 @@
+/* FP8 e4m3 weights with 128x128 block scales (DeepSeek-V3's native format) read in place by
+ * the skinny matmuls: no bf16 copy of a weight, in memory or per call.
+ *
+ * The reference is dequantise-then-multiply: W = bf16(float(q) * scale_inv[block]) (Linear.
+ * dense_weight), then bf16 products summed in float32. A block's 128 possible magnitudes give
+ * 128 possible dequantised values, so each (scale row, column block) gets a lookup table of
+ * them, built when a thread reaches that scale row (`build_tables`: 128 products rounded to
+ * bf16 exactly as torch rounds them, so the table holds the reference's own bf16 weights,
+ * bit for bit), and 64 weights at a time are widened with two byte lookups (vpermi2b, one for
+ * each byte of the bf16 value), the sign bit put back, and the bytes interleaved into words.
+ * The words then go through the same vdpbf16ps sums, in the same order, as cpu_matvec.c's
+ * bf16 kernel on the dequantised weight: an FP8 matmul's result is bit for bit that kernel's
+ * on `dense_weight`, whatever the number of rows, and within float32 summation order of
+ * torch's F.linear on it.
+ *
+ * Rows of x: up to TOKENS, each weight chunk is widened in registers and used at once (decode
+ * steps: the weight bytes are read once, half the bf16 kernel's traffic). More rows: a tile
+ * of TILE weight rows is widened once into a bf16 scratch tile (cache resident) that the bf16
+ * kernel then reads for every TOKENS rows of x (prefill chunks, busy experts).
+ */
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#define TOKENS 4 /* rows of x per pass (as cpu_matvec.c) */
+#define FEATS 4  /* weight rows per register block */
+#define TILE 16  /* weight rows widened per scratch tile */
+#ifndef REGISTER_ROWS
+#define REGISTER_ROWS 16 /* most rows of x widened in registers (in passes of TOKENS rows) */
+#endif
+#define TABLE 256 /* bytes per (scale row, column block): 128 low bytes, 128 high bytes */
+
+/* float32 value of each e4m3fn magnitude (sign bit clear): 0..126 finite, 127 NaN */
+static float e4m3_magnitude(int i) {
+    const int e = (i >> 3) & 15, m = i & 7;
+    if (i == 127) return NAN;
+    return e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
+}
+
+static float MAGNITUDES[128];
+
+__attribute__((constructor)) static void init_magnitudes(void) {
+    for (int i = 0; i < 128; i++) MAGNITUDES[i] = e4m3_magnitude(i);
+}
+
+/* tables [nbk][TABLE] for one scale row (scale [nbk]): entry i of block b is
+ * bf16(MAGNITUDES[i] * scale[b]), rounded as round_bf16 (torch's float -> bf16) rounds. */
+static void build_tables(const float *scale, long nbk, uint8_t *tables) {
+    for (long b = 0; b < nbk; b++) {
+        const __m512 s = _mm512_set1_ps(scale[b]);
+        uint8_t *t = tables + b * TABLE;
+        for (int i = 0; i < 128; i += 16) {
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(MAGNITUDES + i), s);
+            __m512i u = _mm512_castps_si512(v);
+            /* round to nearest even on the bits (denormals too), NaN kept quiet */
+            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            __m512i r = _mm512_srli_epi32(
+                _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+            const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+            _mm_storeu_si128((__m128i *)(t + i), _mm512_cvtepi32_epi8(r));
+            _mm_storeu_si128((__m128i *)(t + 128 + i), _mm512_cvtepi32_epi8(_mm512_srli_epi32(r, 8)));
+        }
+    }
+}
+
+/* The byte order that makes the in-lane byte interleave (unpacklo/hi_epi8) give words in
+ * element order: lane l's low 8 bytes are elements 8l..8l+7, its high 8 bytes 32+8l..32+8l+7. */
+static inline __m512i interleave_order(void) {
+    uint8_t order[64];
+    for (int l = 0; l < 4; l++)
+        for (int j = 0; j < 8; j++) {
+            order[16 * l + j] = (uint8_t)(8 * l + j);
+            order[16 * l + 8 + j] = (uint8_t)(32 + 8 * l + j);
+        }
+    return _mm512_loadu_si512(order);
+}
+
+/* A column block's table in registers */
+typedef struct {
+    __m512i lo0, lo1, hi0, hi1;
+} Table;
+
+static inline Table load_table(const uint8_t *t) {
+    Table r = {_mm512_loadu_si512(t), _mm512_loadu_si512(t + 64), _mm512_loadu_si512(t + 128),
+               _mm512_loadu_si512(t + 192)};
+    return r;
+}
+
+/* 64 e4m3 bytes (q, in element order) -> their dequantised bf16 values, elements 0..31 in *w0
+ * and 32..63 in *w1. */
+static inline void widen64(__m512i q, const Table *t, __m512i order, __m512i *w0, __m512i *w1) {
+    q = _mm512_permutexvar_epi8(order, q);
+    const __m512i lo = _mm512_permutex2var_epi8(t->lo0, q, t->lo1);
+    __m512i hi = _mm512_permutex2var_epi8(t->hi0, q, t->hi1);
+    hi = _mm512_ternarylogic_epi32(hi, q, _mm512_set1_epi8((char)0x80), 0xF8); /* hi | q & 80 */
+    *w0 = _mm512_unpacklo_epi8(lo, hi);
+    *w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+static inline __mmask64 byte_mask(long count) {
+    return count >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << count) - 1);
+}
+
+static inline __mmask32 word_mask(long count) {
+    return count >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << count) - 1);
+}
+
+/* One 64-column chunk of rows [n, n + F) for T rows of x (see fp8_block): `left` columns of
+ * the chunk are real (64 in the loop; masked loads only in a row's tail, since masked loads
+ * and stores are slow on some CPUs). */
+static inline __attribute__((always_inline)) void fp8_chunk(
+    __m512 acc[FEATS][TOKENS], const uint16_t *x, long ldx, const uint8_t *wr, long k,
+    const Table *t, const int T, const int F, long kk, long left, __m512i order) {
+    for (int i = 0; i < F; i++) {
+        __m512i w0, w1;
+        if (left >= 64) {
+            _mm_prefetch((const char *)(wr + (4 * FEATS + i) * k + kk), _MM_HINT_T0);
+            widen64(_mm512_loadu_si512(wr + i * k + kk), t, order, &w0, &w1);
+            for (int j = 0; j < T; j++) {
+                const uint16_t *xr = x + j * ldx + kk;
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)w0,
+                                             (__m512bh)_mm512_loadu_si512(xr));
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)w1,
+                                             (__m512bh)_mm512_loadu_si512(xr + 32));
+            }
+            continue;
+        }
+        widen64(_mm512_maskz_loadu_epi8(byte_mask(left), wr + i * k + kk), t, order, &w0, &w1);
+        /* past k: zeros, as the bf16 kernel's masked loads give */
+        w0 = _mm512_maskz_mov_epi16(word_mask(left), w0);
+        w1 = _mm512_maskz_mov_epi16(word_mask(left > 32 ? left - 32 : 0), w1);
+        for (int j = 0; j < T; j++) {
+            const uint16_t *xr = x + j * ldx + kk;
+            acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)w0,
+                                         (__m512bh)_mm512_maskz_loadu_epi16(word_mask(left), xr));
+            if (left > 32)
+                acc[i][j] = _mm512_dpbf16_ps(
+                    acc[i][j], (__m512bh)w1,
+                    (__m512bh)_mm512_maskz_loadu_epi16(word_mask(left - 32), xr + 32));
+        }
+    }
+}
+
+/* Rows [n, n + F) of w (F <= FEATS, one scale row: tables) for T rows of x, in registers.
+ * The sums: one float32 accumulator per output, fed 32 columns per vdpbf16ps in column order,
+ * the tail masked, then reduced: cpu_matvec.c's block_rows, term for term. */
+static inline __attribute__((always_inline)) void fp8_block(
+    const uint16_t *x, long ldx, const uint8_t *w, long k, const uint8_t *tables,
+    const Sink *y, const int T, const int F, long n, __m512i order) {
+    __m512 acc[FEATS][TOKENS];
+    for (int i = 0; i < F; i++)
+        for (int j = 0; j < T; j++) acc[i][j] = _mm512_setzero_ps();
+    const uint8_t *wr = w + n * k;
+    const long k_full = k & ~127L;
+    for (long kk = 0; kk < k_full; kk += 128) { /* whole column blocks: one table each */
+        const Table t = load_table(tables + (kk >> 7) * TABLE);
+        fp8_chunk(acc, x, ldx, wr, k, &t, T, F, kk, 64, order);
+        fp8_chunk(acc, x, ldx, wr, k, &t, T, F, kk + 64, 64, order);
+    }
+    if (k_full < k) {
+        const Table t = load_table(tables + (k_full >> 7) * TABLE);
+        for (long kk = k_full; kk < k; kk += 64)
+            fp8_chunk(acc, x, ldx, wr, k, &t, T, F, kk, k - kk, order);
+    }
+    for (int i = 0; i < F; i++)
+        for (int j = 0; j < T; j++) store(y, j, n + i, _mm512_reduce_add_ps(acc[i][j]));
+}
+
+/* Rows [n0, n1) of w widened into bf16 rows tile [n1 - n0, k]. */
+static void widen_rows(const uint8_t *w, long k, const float *scale, long nbk,
+                       const int64_t *row_block, long n0, long n1, uint8_t *tables,
+                       long *table_row, uint16_t *tile) {
+    const __m512i order = interleave_order();
+    for (long n = n0; n < n1; n++) {
+        if (row_block[n] != *table_row) {
+            *table_row = row_block[n];
+            build_tables(scale + *table_row * nbk, nbk, tables);
+        }
+        uint16_t *out = tile + (n - n0) * k;
+        const uint8_t *wr = w + n * k;
+        long kk = 0;
+        for (; kk + 64 <= k; kk += 64) {
+            const Table t = load_table(tables + (kk >> 7) * TABLE);
+            __m512i w0, w1;
+            widen64(_mm512_loadu_si512(wr + kk), &t, order, &w0, &w1);
+            _mm512_storeu_si512(out + kk, w0);
+            _mm512_storeu_si512(out + kk + 32, w1);
+        }
+        if (kk < k) {
+            const Table t = load_table(tables + (kk >> 7) * TABLE);
+            __m512i w0, w1;
+            widen64(_mm512_maskz_loadu_epi8(byte_mask(k - kk), wr + kk), &t, order, &w0, &w1);
+            _mm512_mask_storeu_epi16(out + kk, word_mask(k - kk), w0);
+            if (k - kk > 32) _mm512_mask_storeu_epi16(out + kk + 32, word_mask(k - kk - 32), w1);
+        }
+    }
+}
+
+static void fp8_rows_tokens(const uint16_t *x, long ldx, const uint8_t *w, long k,
+                            const float *scale, long nbk, const int64_t *row_block,
+                            const Sink *y, const int T, long n0, long n1, uint8_t *tables,
+                            long *table_row) {
+    const __m512i order = interleave_order();
+    long n = n0;
+    while (n < n1) {
+        if (row_block[n] != *table_row) {
+            *table_row = row_block[n];
+            build_tables(scale + *table_row * nbk, nbk, tables);
+        }
+        if (n + FEATS <= n1 && row_block[n + FEATS - 1] == *table_row) {
+            switch (T) {
+            case 1: fp8_block(x, ldx, w, k, tables, y, 1, FEATS, n, order); break;
+            case 2: fp8_block(x, ldx, w, k, tables, y, 2, FEATS, n, order); break;
+            case 3: fp8_block(x, ldx, w, k, tables, y, 3, FEATS, n, order); break;
+            default: fp8_block(x, ldx, w, k, tables, y, 4, FEATS, n, order); break;
+            }
+            n += FEATS;
+        } else { /* the block's rows cross a scale row, or the last rows: one at a time */
+            switch (T) {
+            case 1: fp8_block(x, ldx, w, k, tables, y, 1, 1, n, order); break;
+            case 2: fp8_block(x, ldx, w, k, tables, y, 2, 1, n, order); break;
+            case 3: fp8_block(x, ldx, w, k, tables, y, 3, 1, n, order); break;
+            default: fp8_block(x, ldx, w, k, tables, y, 4, 1, n, order); break;
+            }
+            n += 1;
+        }
+    }
+}
+
+void mci_fp8_rows_range(const uint16_t *x, long ldx, const Weight *wt, long k, Sink y, long m,
+                        long n0, long n1) {
+    if (n1 <= n0 || m <= 0) return;
+    const long nbk = (k + 127) / 128;
+    const uint8_t *w = (const uint8_t *)wt->data;
+    uint8_t *tables = malloc(nbk * TABLE);
+    long table_row = -1;
+    if (m <= REGISTER_ROWS) { /* TOKENS rows at a time, each pass widening in registers */
+        for (long r = 0; r < m; r += TOKENS) {
+            const Sink yr = sink_rows(y, r);
+            const int rows = m - r < TOKENS ? (int)(m - r) : TOKENS;
+            fp8_rows_tokens(x + r * ldx, ldx, w, k, wt->scale, nbk, wt->row_block, &yr, rows,
+                            n0, n1, tables, &table_row);
+        }
+    } else {
+        uint16_t *tile = malloc(sizeof(uint16_t) * TILE * k);
+        for (long t0 = n0; t0 < n1; t0 += TILE) {
+            const long t1 = t0 + TILE < n1 ? t0 + TILE : n1;
+            widen_rows(w, k, wt->scale, nbk, wt->row_block, t0, t1, tables, &table_row, tile);
+            /* the tile's rows are weight rows t0.. : shift the sink's columns to match */
+            Sink ys = y;
+            if (ys.acc) ys.acc += t0;
+            else ys.y += t0;
+            mci_rows_range(x, ldx, tile, k, ys, m, 0, t1 - t0);
+        }
+        free(tile);
+    }
+    free(tables);
+}
