@@ -123,9 +123,19 @@ WORKLOAD_TEXT = {
     "prefix": "32 at once, 1,024 shared + 32 unique in / 32 out",
     "single": "1 request, 32 in / 256 out",
 }
-ENGINES = ("mci", "vllm", "llama.cpp", "mci-deterministic", "mci-fp8", "llama.cpp-q8_0")
+ENGINES = (
+    "mci",
+    "vllm",
+    "llama.cpp",
+    "mci-deterministic",
+    "mci-fp8",
+    "llama.cpp-q8_0",
+    "mci-base",
+    "mci-fp8-base",
+)
 # mci-deterministic: mci with --deterministic; mci-fp8: mci on the FP8 checkpoint;
-# llama.cpp-q8_0: llama.cpp on the model converted to q8_0 (8.5 bits per weight)
+# llama.cpp-q8_0: llama.cpp on the model converted to q8_0 (8.5 bits per weight);
+# mci-base / mci-fp8-base: mci and mci-fp8 from --base-src (an A/B within one run)
 DEFAULT_ENGINES = ("mci", "vllm", "llama.cpp")
 # Longest request: 1,024 + 32 in + 32 out (prefix). Every engine gets room for 2,048 per sequence.
 MAX_MODEL_LEN = 2048
@@ -187,6 +197,56 @@ def git_commit(src: Path) -> str:
         text=True,
     ).stdout.strip()
     return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+
+
+class CpuQuota:
+    """A cgroup with a CPU quota of `cpus` (cgroup v2 cpu.max, else v1's cpu controller) that
+    the servers run in (`wrap`): the shape of a container CPU limit."""
+
+    PERIOD_US = 100_000
+
+    def __init__(self, cpus: float):
+        quota = round(cpus * self.PERIOD_US)
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+        name = f"mci-bench-{os.getpid()}"
+        if v2.exists():
+            self.path = Path("/sys/fs/cgroup") / name
+            self.path.mkdir()
+            (self.path / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+        else:
+            self.path = Path("/sys/fs/cgroup/cpu") / name
+            self.path.mkdir()
+            (self.path / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """cmd, started inside the cgroup (its children stay in it)."""
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"), *cmd]
+
+    def remove(self) -> None:
+        try:
+            self.path.rmdir()
+        except OSError as exc:
+            log(f"could not remove {self.path}: {exc}")
+
+
+def start_neighbour(kind: str) -> subprocess.Popen | None:
+    """Another process taking CPU beside the engine: `busy-loop`, a Python busy loop pinned
+    to the last CPU (a co-located service at full load)."""
+    if kind == "none":
+        return None
+    cpu = max(os.sched_getaffinity(0))
+    return subprocess.Popen(
+        ["taskset", "-c", str(cpu), sys.executable, "-c", "while True: pass"],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def stop_neighbour(proc: subprocess.Popen | None) -> None:
+    if proc is not None:
+        proc.kill()
+        proc.wait()
 
 
 class Server:
@@ -261,10 +321,10 @@ class Server:
 def engine_cmd(name: str, port: int, args) -> tuple[list[str], dict]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
-    if name in ("mci", "mci-deterministic", "mci-fp8"):
-        cmd = shlex.split(args.mci_cmd) + [
+    if name.startswith("mci"):
+        cmd = shlex.split(args.base_cmd if name.endswith("-base") else args.mci_cmd) + [
             "--model-path",
-            str(FP8_CKPT if name == "mci-fp8" else CKPT),
+            str(FP8_CKPT if name.startswith("mci-fp8") else CKPT),
             "--port",
             str(port),
             "--served-model-name",
@@ -335,6 +395,9 @@ def peer_versions(engines: list[str], args) -> dict:
         v["mci-deterministic"] = v["mci"] + ", with --deterministic"
     if "mci-fp8" in engines:
         v["mci-fp8"] = v["mci"] + f", on {FP8_CKPT.name}"
+    if args.base_src:
+        base = f"commit {git_commit(Path(args.base_src))} ({args.base_src})"
+        v.update({"mci-base": base, "mci-fp8-base": base + f", on {FP8_CKPT.name}"})
     if "vllm" in engines:
         v["vllm"] = version_of(
             [
@@ -362,9 +425,12 @@ def ratio_pairs(engines: list[str]) -> list[tuple[str, str]]:
     against mci's bf16 and against llama.cpp's q8_0."""
     pairs = []
     if "mci" in engines:
-        pairs += [("mci", e) for e in engines if e not in ("mci", "mci-fp8")]
+        pairs += [("mci", e) for e in engines if not e.startswith("mci")]
     if "mci-fp8" in engines:
         pairs += [("mci-fp8", e) for e in ("mci", "llama.cpp-q8_0") if e in engines]
+    pairs += [
+        (e, e + "-base") for e in ("mci", "mci-fp8") if e in engines and e + "-base" in engines
+    ]
     return pairs
 
 
@@ -409,6 +475,11 @@ def markdown_section(summary: dict) -> str:
         "one); ratios are mci ÷ peer, so above 1 is better for mci on tok/s and below 1 is "
         "better for mci on ms."
     )
+    if summary.get("neighbour", "none") != "none":
+        out.append(f"Beside each engine: a {summary['neighbour']} (--neighbour).")
+    if summary.get("cpu_quota"):
+        quota = summary["cpu_quota"]
+        out.append(f"Each engine's server ran under a {quota:g}-CPU quota (--cpu-quota).")
     out += ["", render(summary), "", "Versions:", ""]
     out += [f"- {e}: {v}" for e, v in summary["versions"].items()]
     out += ["", "Server commands (port varies per run):", ""]
@@ -476,6 +547,22 @@ def main() -> int:
         default=4,
         help="GiB of KV cache for mci (--kv-cache-gb) and vLLM (VLLM_CPU_KVCACHE_SPACE)",
     )
+    ap.add_argument(
+        "--base-src",
+        help="an mci checkout (a worktree of an older commit) for the mci-base and "
+        "mci-fp8-base engines: before and after side by side in one run",
+    )
+    ap.add_argument(
+        "--neighbour",
+        choices=["none", "busy-loop"],
+        default="none",
+        help="busy-loop: a Python busy loop pinned to the last CPU runs beside each engine",
+    )
+    ap.add_argument(
+        "--cpu-quota",
+        type=float,
+        help="run each engine's server in a cgroup with this CPU quota, in CPUs (e.g. 1.5)",
+    )
     ap.add_argument("--vllm-extra", default="", help="more vLLM server arguments")
     ap.add_argument("--llama-extra", default="", help="more llama-server arguments")
     ap.add_argument("--ready-timeout", type=float, default=600)
@@ -490,12 +577,19 @@ def main() -> int:
 
     base_mci = f"env PYTHONPATH={shlex.quote(args.mci_src)} {shlex.quote(args.mci_python)} -m mci"
     args.mci_cmd = args.mci_cmd or base_mci + " serve"
+    args.base_cmd = (
+        f"env PYTHONPATH={shlex.quote(args.base_src)} {shlex.quote(args.mci_python)} -m mci serve"
+        if args.base_src
+        else None
+    )
     args.bench_cmd = args.bench_cmd or base_mci + " bench serve"
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for e in engines:
         if e not in ENGINES:
             ap.error(f"unknown engine {e!r} ({', '.join(ENGINES)})")
+        if e.endswith("-base") and not args.base_src:
+            ap.error(f"{e} needs --base-src")
     for w in workloads:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r} ({', '.join(WORKLOADS)})")
@@ -505,6 +599,8 @@ def main() -> int:
         "vllm": [VLLM_PY, CKPT / "config.json"],
         "llama.cpp": [LLAMA_SERVER, GGUF],
         "mci-fp8": [FP8_CKPT / "config.json"],
+        "mci-base": [CKPT / "config.json"],
+        "mci-fp8-base": [FP8_CKPT / "config.json"],
         "llama.cpp-q8_0": [LLAMA_SERVER, Q8_GGUF],
     }
     missing = [str(p) for e in engines for p in need[e] if not p.exists()]
@@ -546,6 +642,8 @@ def main() -> int:
             }
         },
         "bench_cmd": args.bench_cmd,
+        "neighbour": args.neighbour,
+        "cpu_quota": args.cpu_quota,
         "runs": [],
         "results": {},
         "problems": [],
@@ -560,6 +658,7 @@ def main() -> int:
         log(f"{e}: {v}")
 
     current: list[Server] = []
+    quota = CpuQuota(args.cpu_quota) if args.cpu_quota else None
 
     class Interrupted(Exception):
         pass
@@ -594,6 +693,9 @@ def main() -> int:
                         )
                         summary["problems"].append(note)
                         log(note)
+                    neighbour = start_neighbour(args.neighbour)
+                    if quota is not None:
+                        cmd = quota.wrap(cmd)
                     server = Server(e, cmd, env, port, out_dir / f"{tag}.log")
                     current.append(server)
                     try:
@@ -660,6 +762,7 @@ def main() -> int:
                     finally:
                         server.stop()
                         current.remove(server)
+                        stop_neighbour(neighbour)
                     summary["runs"].append(run)
     except Interrupted as exc:
         # stop here, but still write what was measured
@@ -670,6 +773,8 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         for s in current:
             s.stop()
+        if quota is not None:
+            quota.remove()
 
     for wl in workloads:
         for e in engines:

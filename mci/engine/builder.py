@@ -24,6 +24,7 @@ from mci.cache.sizing import kv_pool_tokens
 from mci.cache.slot_pool import SlotPool
 from mci.engine.config import EngineConfig
 from mci.engine.core import EngineCore
+from mci.engine.cpu_threads import ThreadGovernor
 from mci.engine.dp_attention import DataParallelCore, follow_rounds
 from mci.engine.ranks import join, load_agreed, load_sharded, start_followers
 from mci.engine.request_front import RequestFront
@@ -193,7 +194,25 @@ def build_engine_core(
     runner = ModelRunner(model, kv_cache, eos_ids, speculator)
     grammar = xgrammar_cache(tokenizer, cfg.vocab_size, eos_ids)
     front = RequestFront(tokenizer, cfg.vocab_size, cfg.max_position_embeddings, grammar)
-    return EngineCore(scheduler, runner, front, config.check_integrity, grammar)
+    threads = compute_threads(config, device, model.parallel.world_size)
+    return EngineCore(scheduler, runner, front, config.check_integrity, grammar, threads)
+
+
+def compute_threads(
+    config: EngineConfig, device: torch.device, world_size: int
+) -> ThreadGovernor | None:
+    """--cpu-threads: a fixed count is set here; auto gets a governor (mci/engine/
+    cpu_threads.py) on one process on the CPU. A parallel run keeps the count each rank was
+    given (mci/engine/ranks.py): its ranks are each other's neighbours, and step together."""
+    if device.type != "cpu":
+        return None
+    if config.model.cpu_threads != "auto":
+        torch.set_num_threads(int(config.model.cpu_threads))
+        return None
+    if world_size > 1:
+        return None
+    log.info("compute threads: %d, fewer while other work takes CPUs", torch.get_num_threads())
+    return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
 
 
 def follower_main(

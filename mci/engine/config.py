@@ -42,9 +42,21 @@ class ModelPlacement:
         "CPU: skip running every matmul shape once at startup (oneDNN compiles a kernel per "
         "shape, ~3 ms each; without the warm-up the first requests of each size pay it)",
     )
+    cpu_threads: str = option(
+        "auto",
+        "CPU: threads the engine computes with; auto = as many as it has CPUs free now, read "
+        "again every 0.5 s (fewer while other processes or a CPU quota take cores; "
+        "mci/engine/cpu_threads.py), or a fixed number",
+    )
 
     def __post_init__(self):
         check_choices(self)
+        if self.cpu_threads != "auto" and not (
+            str(self.cpu_threads).isdigit() and int(self.cpu_threads) > 0
+        ):
+            raise UserError(
+                f"--cpu-threads must be auto or a positive number, got {self.cpu_threads!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from mci.core.request import Request
 from mci.core.request_ids import sample_ids
 from mci.core.sampling_params import SamplingParams
 from mci.engine.commands import AddRequest
+from mci.engine.cpu_threads import ThreadGovernor
 from mci.engine.request_front import RequestFront
 from mci.errors import UserError
 from mci.grammar.cache import GrammarCache, Window
@@ -93,6 +94,7 @@ class EngineCore:
         front: RequestFront,
         check_integrity: bool = False,
         grammar: GrammarCache | None = None,
+        threads: ThreadGovernor | None = None,
     ):
         self.scheduler = scheduler
         self.runner = runner
@@ -100,6 +102,7 @@ class EngineCore:
         self.check_integrity_each_step = check_integrity
         self.grammar = grammar  # compiles constraints off this thread (None: no constraints)
         self.longest_step_s = 0.0  # what the front end's watchdog scales its timeout by
+        self.threads = threads  # sets the CPU compute threads between steps (None: fixed)
 
     @property
     def kv(self) -> KVCacheManager:
@@ -157,6 +160,8 @@ class EngineCore:
 
     def idle(self) -> None:
         """Called while there is no work (a parallel run keeps its ranks' collectives alive)."""
+        if self.threads is not None:
+            self.threads.between_steps()
         self.runner.model.keepalive()
 
     def abort_all(self, error: str) -> list[RequestOutput]:
@@ -164,6 +169,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Advance every runnable request by one step; returns the step's outputs."""
+        if self.threads is not None:
+            self.threads.between_steps()
         outputs = self.scheduler.expire_deadlines() + self.scheduler.reject_failed_grammars()
         batch = self.scheduler.schedule()
         if batch:
@@ -193,6 +200,7 @@ class EngineCore:
             "kv_cache_usage": in_use / kv.pool.num_slots,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "longest_step_s": self.longest_step_s,
+            "cpu_threads": 0 if self.threads is None else self.threads.threads,
             "counters": dict(sched.counters),
         }
 

@@ -89,6 +89,11 @@ class ServerMetrics:
                 "Prompt tokens served from the prefix cache (0-1)",
                 "prefix_cache_hit_rate",
             ),
+            "mci:cpu_threads": (
+                "CPU threads the engine computes with now (0: fixed by --cpu-threads or not "
+                "on the CPU); fewer while other work takes cores",
+                "cpu_threads",
+            ),
         }
         for name, (doc, key) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda k=key: float(self._stats().get(k, 0)))

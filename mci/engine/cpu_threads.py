@@ -1,0 +1,176 @@
+"""How many threads the engine computes with on the CPU: as many CPUs as it can get now.
+
+Why: a step is ~100 parallel regions (the kernels', oneDNN's), and each ends when its slowest
+thread does. With a neighbour taking one of two cores (a busy loop, another service, the
+front end streaming, a CPU quota), one thread of two is preempted for a whole scheduler slice
+at a time while the other waits for it at every region: measured on the `small` model, single
+-stream decode went from 2.1 to 11 ms/token in process with two threads (226 ms served, where
+the front end is a third contender), and to 3.9 with one thread. Under a 1.5-CPU quota, two
+threads ran out of quota and were throttled (3.6-3.9 ms/token) where one thread was not
+(2.9). So the engine computes with as many threads as it has whole CPUs free.
+
+What it reads, every `interval_s` (0.5 s), between steps (so never inside one):
+
+* `available`: the CPUs this process may run on (its affinity) and its CPU quota (cgroup v2
+  `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, the tightest along its path);
+* `others`: how busy those CPUs were with other work over the window, in CPUs: their busy
+  time (/proc/stat's per-CPU lines; steal included, a hypervisor's other guests) minus this
+  process's own CPU time.
+
+    target = floor(available) - floor(others / TAKEN), clamped to [1, max_threads]
+
+Fewer threads at once (one more step with a preempted thread costs a scheduler slice); more
+only when `raise_after` windows in a row agree, so a short burst of other work does not make
+the count flap.
+
+Invariant it relies on (tests/test_cpu_threads.py): the thread count never changes a result.
+The kernels' sums run in the same order whatever the thread count (cpu_matvec.c), and the
+oneDNN and aten paths were measured equal too, so this changes speed only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("mci")
+
+INTERVAL_S = 0.5  # how often the CPUs are read: ~50 us a read, against a ~2 ms step
+RAISE_AFTER = 2  # windows in a row that must ask for more threads before they are added
+# A CPU counts as taken when other work keeps it this busy. The front end and the clients
+# beside a served engine come in bursts between steps (measured: 0.5-1.0 CPU of them on a
+# 32-request batch), and taking a thread away for them lost throughput (one run: 643 against
+# 814 tok/s on FP8); a neighbour that holds a CPU keeps it busy all the time.
+TAKEN = 0.8
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """One reading of the CPUs this process may use."""
+
+    wall: float  # monotonic seconds
+    busy: float  # CPU-seconds those CPUs have spent busy since boot (every process)
+    own: float  # CPU-seconds this process has used
+    available: float  # CPUs this process may use now (affinity and quota)
+
+
+def target_threads(available: float, others: float, max_threads: int) -> int:
+    """Threads for `available` CPUs (a fractional quota counts its whole CPUs: a thread for
+    the fraction is throttled every period) of which `others` CPUs are busy with other work
+    (each `TAKEN` busy takes one)."""
+    free = math.floor(available + 1e-9) - math.floor(others / TAKEN + 1e-9)
+    return max(1, min(max_threads, free))
+
+
+def cgroup_quota(
+    root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> float | None:
+    """CPUs the CPU quota of this process's cgroup allows (the tightest along its path;
+    `membership` lists its cgroups), or None without one."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: cpu.max is "max 100000" or "150000 100000"
+            base, files = root, ("cpu.max",)
+        elif "cpu" in controllers.split(","):
+            base, files = root / controllers, ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            if not base.exists():
+                base = root / "cpu"
+        else:
+            continue
+        parts = Path(path.lstrip("/")).parts
+        for depth in range(len(parts), -1, -1):  # this cgroup, then each parent
+            folder = base.joinpath(*parts[:depth])
+            try:
+                values = " ".join((folder / f).read_text() for f in files).split()
+            except OSError:
+                continue
+            if values[0] not in ("max", "-1") and float(values[1]) > 0:
+                limits.append(float(values[0]) / float(values[1]))
+    return min(limits) if limits else None
+
+
+class ProcCpuReader:
+    """Readings from /proc and the cgroup files (Linux); `read` gives None elsewhere."""
+
+    def __init__(self):
+        self.hz = os.sysconf("SC_CLK_TCK")
+
+    def read(self) -> CpuReading | None:
+        cpus = os.sched_getaffinity(0)
+        try:
+            lines = Path("/proc/stat").read_text().splitlines()
+        except OSError:
+            return None
+        busy = 0
+        for line in lines:
+            name, _, rest = line.partition(" ")
+            if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                continue
+            # user nice system idle iowait irq softirq steal (guest time is inside user)
+            ticks = [int(v) for v in rest.split()[:8]]
+            busy += sum(ticks) - ticks[3] - ticks[4]
+        times = os.times()
+        quota = cgroup_quota()
+        available = float(len(cpus)) if quota is None else min(float(len(cpus)), quota)
+        return CpuReading(time.monotonic(), busy / self.hz, times.user + times.system, available)
+
+
+class ThreadGovernor:
+    """Sets the process's compute threads (torch's and the kernels' OpenMP pool) to what the
+    CPUs allow, between steps; see the module docstring."""
+
+    def __init__(
+        self,
+        max_threads: int,
+        set_threads: Callable[[int], None],
+        reader: ProcCpuReader | None = None,
+        interval_s: float = INTERVAL_S,
+        raise_after: int = RAISE_AFTER,
+    ):
+        self.max_threads = max_threads
+        self.threads = max_threads  # what the process computes with now
+        self._set = set_threads
+        self._reader = reader or ProcCpuReader()
+        self._interval = interval_s
+        self._raise_after = raise_after
+        self._last = self._reader.read()
+        self._asks = 0  # windows in a row that asked for more threads
+        self.changes = 0
+
+    def between_steps(self) -> None:
+        """Read the CPUs when a window has passed, and change the thread count if they ask."""
+        if self._last is None or time.monotonic() - self._last.wall < self._interval:
+            return
+        now = self._reader.read()
+        if now is None:
+            return
+        last, self._last = self._last, now
+        wall = now.wall - last.wall
+        others = max(0.0, (now.busy - last.busy) - (now.own - last.own)) / wall
+        target = target_threads(now.available, others, self.max_threads)
+        if target > self.threads:
+            self._asks += 1
+            if self._asks < self._raise_after:
+                return
+        self._asks = 0
+        if target != self.threads:
+            log.info(
+                "compute threads %d -> %d: %.1f of %.1f CPUs busy with other work",
+                self.threads,
+                target,
+                others,
+                now.available,
+            )
+            self.threads = target
+            self.changes += 1
+            self._set(target)
