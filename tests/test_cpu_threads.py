@@ -12,7 +12,13 @@ import torch
 from helpers import prefill_logits, stepwise_logits
 
 from mci.engine.config import ModelPlacement
-from mci.engine.cpu_threads import CpuReading, ThreadGovernor, cgroup_quota, target_threads
+from mci.engine.cpu_threads import (
+    CpuReading,
+    ThreadGovernor,
+    cgroup_quota,
+    quota_files,
+    target_threads,
+)
 from mci.errors import UserError
 from mci.models.loader import load_model
 
@@ -39,12 +45,16 @@ class FakeReader:
     """Readings the test scripts: each `advance` adds wall time, other work and own work."""
 
     def __init__(self, available=2.0):
-        self.now = CpuReading(time.monotonic(), 0.0, 0.0, available)
+        self.now = CpuReading(time.monotonic(), 0.0, 0.0, 0.0, available)
 
-    def advance(self, seconds: float, others: float, own: float = 1.0) -> None:
+    def advance(self, seconds: float, others: float, own: float = 1.0, waited=0.0) -> None:
         r = self.now
         self.now = CpuReading(
-            r.wall + seconds, r.busy + (others + own) * seconds, r.own + own * seconds, r.available
+            r.wall + seconds,
+            r.busy + (others + own) * seconds,
+            r.own + own * seconds,
+            r.waited + waited * seconds,
+            r.available,
         )
 
     def read(self) -> CpuReading:
@@ -57,8 +67,8 @@ def test_governor_drops_a_thread_at_once_and_adds_it_back_after_two_windows(monk
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     gov = ThreadGovernor(2, calls.append, reader, interval_s=0.5, raise_after=2)
 
-    def window(others: float) -> int:
-        reader.advance(0.5, others)
+    def window(others: float, waited: float = 0.0) -> int:
+        reader.advance(0.5, others, waited=waited)
         clock[0] = reader.now.wall
         gov.between_steps()
         return gov.threads
@@ -69,9 +79,25 @@ def test_governor_drops_a_thread_at_once_and_adds_it_back_after_two_windows(monk
     assert window(1.0) == 1
     assert window(0.0) == 1
     assert window(0.0) == 2 and calls == [1, 2]
+    # competing with our two threads the neighbour gets 0.6 of a CPU; our threads' wait
+    # shows what it took from them
+    assert window(0.6, waited=0.4) == 1 and calls == [1, 2, 1]
     clock[0] += 0.1  # inside a window: nothing is read
     gov.between_steps()
-    assert gov.changes == 2
+    assert gov.changes == 3
+
+
+def test_a_failing_reading_turns_the_governor_off(monkeypatch):
+    reader, calls = FakeReader(), []
+    gov = ThreadGovernor(2, calls.append, reader, interval_s=0.0)
+
+    def broken():
+        raise OSError("gone")
+
+    monkeypatch.setattr(reader, "read", broken)
+    gov.between_steps()  # logged, not raised
+    gov.between_steps()
+    assert gov.threads == 2 and calls == []
 
 
 def test_cgroup_quota_v1_and_v2(tmp_path):
@@ -80,8 +106,8 @@ def test_cgroup_quota_v1_and_v2(tmp_path):
     (v2 / "box" / "cpu.max").write_text("150000 100000\n")
     (v2 / "box" / "job" / "cpu.max").write_text("max 100000\n")
     member = tmp_path / "cgroup"
-    member.write_text("0::/box/job\n")
-    assert cgroup_quota(v2, member) == 1.5  # the parent's quota binds
+    member.write_text("0::/box/job\nnonsense\n")
+    assert cgroup_quota(quota_files(v2, member)) == 1.5  # the parent's quota binds
     v1 = tmp_path / "v1"
     (v1 / "cpu" / "svc").mkdir(parents=True)
     (v1 / "cpu" / "svc" / "cpu.cfs_quota_us").write_text("250000")
@@ -89,9 +115,11 @@ def test_cgroup_quota_v1_and_v2(tmp_path):
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1")
     (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
     member.write_text("4:memory:/x\n2:cpu:/svc\n")
-    assert cgroup_quota(v1, member) == 2.5
+    assert cgroup_quota(quota_files(v1, member)) == 2.5
     member.write_text("2:cpu:/\n")
-    assert cgroup_quota(v1, member) is None
+    assert cgroup_quota(quota_files(v1, member)) is None
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("")  # unreadable values are no quota
+    assert cgroup_quota(quota_files(v1, member)) is None
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])

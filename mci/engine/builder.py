@@ -158,7 +158,7 @@ def build_engine_core(
     num_scratch = config.scheduler.max_running_requests * scratch_cols
     kv_cache = model.allocate_kv_cache(num_slots + num_scratch, device, with_mtp)
     if device.type == "cpu":
-        log.info("packed %d linear layers for oneDNN", model.pack_for_cpu())
+        log.info("prepared %d linear layers for the CPU", model.pack_for_cpu())
         log.info("malloc keeps freed memory: %s", keep_freed_memory())
     if config.model.deterministic or model.batch_invariant:  # a shared model may have it on
         try:
@@ -203,13 +203,17 @@ def compute_threads(
 ) -> ThreadGovernor | None:
     """--cpu-threads: a fixed count is set here; auto gets a governor (mci/engine/
     cpu_threads.py) on one process on the CPU. A parallel run keeps the count each rank was
-    given (mci/engine/ranks.py): its ranks are each other's neighbours, and step together."""
+    given (mci/engine/ranks.py): its ranks are each other's neighbours, and step together.
+    So does --deterministic: oneDNN and aten may split a sum differently with another count
+    (measured equal here, not promised), and bit-identical outputs may not hang on load.
+    Engines in one process share one thread count: each governor lowers it from what it
+    found."""
     if device.type != "cpu":
         return None
     if config.model.cpu_threads != "auto":
         torch.set_num_threads(int(config.model.cpu_threads))
         return None
-    if world_size > 1:
+    if world_size > 1 or config.model.deterministic:
         return None
     log.info("compute threads: %d, fewer while other work takes CPUs", torch.get_num_threads())
     return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)

@@ -13,9 +13,11 @@ What it reads, every `interval_s` (0.5 s), between steps (so never inside one):
 
 * `available`: the CPUs this process may run on (its affinity) and its CPU quota (cgroup v2
   `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, the tightest along its path);
-* `others`: how busy those CPUs were with other work over the window, in CPUs: their busy
+* `others`: how much of those CPUs other work wanted over the window, in CPUs: their busy
   time (/proc/stat's per-CPU lines; steal included, a hypervisor's other guests) minus this
-  process's own CPU time.
+  process's own CPU time, plus the time this process's threads waited, runnable, for a CPU
+  (/proc/self/task/*/schedstat): while two engine threads share two CPUs with a busy loop,
+  each side gets only part of a CPU, and what the engine lost shows as its threads' wait.
 
     target = floor(available) - floor(others / TAKEN), clamped to [1, max_threads]
 
@@ -56,78 +58,126 @@ class CpuReading:
     wall: float  # monotonic seconds
     busy: float  # CPU-seconds those CPUs have spent busy since boot (every process)
     own: float  # CPU-seconds this process has used
+    waited: float  # seconds this process's threads have waited, runnable, for a CPU
     available: float  # CPUs this process may use now (affinity and quota)
 
 
 def target_threads(available: float, others: float, max_threads: int) -> int:
     """Threads for `available` CPUs (a fractional quota counts its whole CPUs: a thread for
-    the fraction is throttled every period) of which `others` CPUs are busy with other work
-    (each `TAKEN` busy takes one)."""
+    the fraction is throttled every period) of which `others` CPUs are wanted by other work
+    (each `TAKEN` takes one)."""
     free = math.floor(available + 1e-9) - math.floor(others / TAKEN + 1e-9)
     return max(1, min(max_threads, free))
 
 
-def cgroup_quota(
+def quota_files(
     root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
-) -> float | None:
-    """CPUs the CPU quota of this process's cgroup allows (the tightest along its path;
-    `membership` lists its cgroups), or None without one."""
+) -> list[tuple[Path, ...]]:
+    """The CPU quota files along this process's cgroup path (`membership` lists its cgroups):
+    (cpu.max,) for cgroup v2, (cpu.cfs_quota_us, cpu.cfs_period_us) for v1, this cgroup's
+    and each parent's that exist."""
     try:
         lines = membership.read_text().splitlines()
     except OSError:
-        return None
-    limits = []
+        return []
+    found = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2: cpu.max is "max 100000" or "150000 100000"
-            base, files = root, ("cpu.max",)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":  # v2
+            base, names = root, ("cpu.max",)
         elif "cpu" in controllers.split(","):
-            base, files = root / controllers, ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            base, names = root / controllers, ("cpu.cfs_quota_us", "cpu.cfs_period_us")
             if not base.exists():
                 base = root / "cpu"
         else:
             continue
         parts = Path(path.lstrip("/")).parts
         for depth in range(len(parts), -1, -1):  # this cgroup, then each parent
-            folder = base.joinpath(*parts[:depth])
-            try:
-                values = " ".join((folder / f).read_text() for f in files).split()
-            except OSError:
-                continue
-            if values[0] not in ("max", "-1") and float(values[1]) > 0:
+            files = tuple(base.joinpath(*parts[:depth], name) for name in names)
+            if all(f.exists() for f in files):
+                found.append(files)
+    return found
+
+
+def cgroup_quota(files: list[tuple[Path, ...]]) -> float | None:
+    """CPUs the tightest of these quotas allows ("max 100000" / "150000 100000" for v2; -1 or
+    a quota and a period for v1), or None without one."""
+    limits = []
+    for group in files:
+        try:
+            values = " ".join(f.read_text() for f in group).split()
+            if len(values) == 2 and values[0] not in ("max", "-1") and float(values[1]) > 0:
                 limits.append(float(values[0]) / float(values[1]))
+        except (OSError, ValueError):
+            continue
     return min(limits) if limits else None
 
 
 class ProcCpuReader:
-    """Readings from /proc and the cgroup files (Linux); `read` gives None elsewhere."""
+    """Readings from /proc and the cgroup files (Linux). The CPUs are this process's affinity
+    when it starts; `read` gives None where /proc/stat does not list them (another OS, or a
+    container whose /proc/stat numbers its CPUs apart from the host's)."""
 
     def __init__(self):
         self.hz = os.sysconf("SC_CLK_TCK")
+        self.cpus = os.sched_getaffinity(0)
+        self.quota = quota_files()
 
     def read(self) -> CpuReading | None:
-        cpus = os.sched_getaffinity(0)
         try:
             lines = Path("/proc/stat").read_text().splitlines()
         except OSError:
             return None
-        busy = 0
+        busy, seen = 0, 0
         for line in lines:
             name, _, rest = line.partition(" ")
-            if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            if (
+                not name.startswith("cpu")
+                or not name[3:].isdigit()
+                or int(name[3:]) not in self.cpus
+            ):
                 continue
             # user nice system idle iowait irq softirq steal (guest time is inside user)
             ticks = [int(v) for v in rest.split()[:8]]
             busy += sum(ticks) - ticks[3] - ticks[4]
+            seen += 1
+        if seen != len(self.cpus):
+            return None
         times = os.times()
-        quota = cgroup_quota()
-        available = float(len(cpus)) if quota is None else min(float(len(cpus)), quota)
-        return CpuReading(time.monotonic(), busy / self.hz, times.user + times.system, available)
+        quota = cgroup_quota(self.quota)
+        cpus = float(len(self.cpus))
+        return CpuReading(
+            wall=time.monotonic(),
+            busy=busy / self.hz,
+            own=times.user + times.system,
+            waited=_threads_waited(),
+            available=cpus if quota is None else min(cpus, quota),
+        )
+
+
+def _threads_waited() -> float:
+    """Seconds this process's threads have spent runnable but waiting for a CPU (the second
+    field of each thread's schedstat, in ns), 0 where the kernel does not report it."""
+    total = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    for tid in tasks:
+        try:
+            total += int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that just ended
+    return total / 1e9
 
 
 class ThreadGovernor:
     """Sets the process's compute threads (torch's and the kernels' OpenMP pool) to what the
-    CPUs allow, between steps; see the module docstring."""
+    CPUs allow, between steps; see the module docstring. Never raises: a reading that fails
+    turns it off (the count then stays as it is)."""
 
     def __init__(
         self,
@@ -140,23 +190,41 @@ class ThreadGovernor:
         self.max_threads = max_threads
         self.threads = max_threads  # what the process computes with now
         self._set = set_threads
-        self._reader = reader or ProcCpuReader()
         self._interval = interval_s
         self._raise_after = raise_after
-        self._last = self._reader.read()
         self._asks = 0  # windows in a row that asked for more threads
         self.changes = 0
+        self._last: CpuReading | None = None
+        try:
+            self._reader = reader or ProcCpuReader()
+            self._last = self._reader.read()
+        except Exception:  # noqa: BLE001 - no readings: the count stays fixed
+            log.exception("reading the CPUs failed; compute threads stay at %d", max_threads)
+        if self._last is None:
+            log.info("no CPU readings here; compute threads stay at %d", max_threads)
 
     def between_steps(self) -> None:
         """Read the CPUs when a window has passed, and change the thread count if they ask."""
         if self._last is None or time.monotonic() - self._last.wall < self._interval:
             return
+        try:
+            self._adjust()
+        except Exception:  # noqa: BLE001 - never the step's failure
+            log.exception("reading the CPUs failed; compute threads stay at %d", self.threads)
+            self._last = None
+
+    def _adjust(self) -> None:
         now = self._reader.read()
         if now is None:
+            log.info("CPU readings stopped; compute threads stay at %d", self.threads)
+            self._last = None
             return
         last, self._last = self._last, now
         wall = now.wall - last.wall
+        # what other work got of these CPUs, plus what this process wanted and did not get
+        # (while its threads compete with a neighbour, each side gets only part of a CPU)
         others = max(0.0, (now.busy - last.busy) - (now.own - last.own)) / wall
+        others += max(0.0, now.waited - last.waited) / wall
         target = target_threads(now.available, others, self.max_threads)
         if target > self.threads:
             self._asks += 1
@@ -165,7 +233,7 @@ class ThreadGovernor:
         self._asks = 0
         if target != self.threads:
             log.info(
-                "compute threads %d -> %d: %.1f of %.1f CPUs busy with other work",
+                "compute threads %d -> %d: %.1f of %.1f CPUs wanted by other work",
                 self.threads,
                 target,
                 others,

@@ -62,7 +62,11 @@ class Engine:
         model_config: ModelConfig | None = None,
     ):
         self.config = config or EngineConfig()
-        parts = build_engine(self.config, model, tokenizer, model_config)
+        start_loop = None
+        if background and self.config.parallel.world_size == 1:
+            parts, start_loop = self._build_on_loop_thread(model, tokenizer, model_config)
+        else:
+            parts = build_engine(self.config, model, tokenizer, model_config)
         self._parts = parts
         self.model, self.tokenizer, self.front = parts.model, parts.tokenizer, parts.front
         self.core = parts.core
@@ -73,9 +77,44 @@ class Engine:
         self._stopped = threading.Event()
         self._ids = itertools.count()
         self._thread = None
-        if background:
+        if start_loop is not None:
+            self._thread = start_loop()
+        elif background:
             self._thread = threading.Thread(target=self._run, name="mci-engine", daemon=True)
             self._thread.start()
+
+    def _build_on_loop_thread(self, model, tokenizer, model_config):
+        """Build the engine on the thread that will run its loop; returns the parts and a
+        function that starts the loop there (returning the thread). Why: OpenMP keeps a thread
+        pool per thread that ever ran a parallel region, and once the pools' threads outnumber
+        the CPUs, libgomp stops spinning between regions and every region waits on a futex
+        wake-up. Building (load, packing, warm-up) on the caller's thread left it a pool
+        beside the loop thread's: measured on the `small` model, background decode took 6.4
+        ms/token against 2.9 with the loop on the building thread."""
+        built: dict = {}
+        ready, go = threading.Event(), threading.Event()
+
+        def thread_main() -> None:
+            try:
+                built["parts"] = build_engine(self.config, model, tokenizer, model_config)
+            except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+                built["error"] = exc
+            ready.set()
+            if "parts" in built:
+                go.wait()
+                self._run()
+
+        thread = threading.Thread(target=thread_main, name="mci-engine", daemon=True)
+        thread.start()
+        ready.wait()
+        if "error" in built:
+            raise built["error"]
+
+        def start_loop() -> threading.Thread:
+            go.set()
+            return thread
+
+        return built["parts"], start_loop
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(

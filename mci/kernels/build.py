@@ -28,8 +28,7 @@ HEADER = Path(__file__).with_name("cpu_kernels.h")
 # weighted sum), they stay two roundings, as in the torch code they stand in for (explicit
 # fused multiply-add intrinsics elsewhere are unaffected).
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
-         "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mfma", "-mamx-tile",
-         "-mamx-bf16"]  # fmt: skip
+         "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16"]  # fmt: skip
 
 
 def cpu_flags() -> str:

@@ -22,6 +22,10 @@
 
 #include "cpu_kernels.h"
 
+/* vpermb / vpermi2b (AVX512-VBMI) in this file's functions only: the rest of the library runs
+ * on CPUs without them (cpu_kernels.py uses this file only where the CPU has VBMI). */
+#pragma GCC target("avx512vbmi")
+
 #define TOKENS 4 /* rows of x per pass (as cpu_matvec.c) */
 #define FEATS 4  /* weight rows per register block */
 #define TILE 16  /* weight rows widened per scratch tile */
@@ -93,7 +97,8 @@ static inline void widen64(__m512i q, const Table *t, __m512i order, __m512i *w0
     q = _mm512_permutexvar_epi8(order, q);
     const __m512i lo = _mm512_permutex2var_epi8(t->lo0, q, t->lo1);
     __m512i hi = _mm512_permutex2var_epi8(t->hi0, q, t->hi1);
-    hi = _mm512_ternarylogic_epi32(hi, q, _mm512_set1_epi8((char)0x80), 0xF8); /* hi | q & 80 */
+    /* the sign: hi ^ (q & 0x80), as float(q) * scale has it for a scale of either sign */
+    hi = _mm512_ternarylogic_epi32(hi, q, _mm512_set1_epi8((char)0x80), 0x78);
     *w0 = _mm512_unpacklo_epi8(lo, hi);
     *w1 = _mm512_unpackhi_epi8(lo, hi);
 }

@@ -207,7 +207,8 @@ class Linear(nn.Module):
             if kernels is None or not kernels.fp8 or self.block != (128, 128):
                 return False
             self.matvec = kernels
-            self.kernel = cpu_kernels.KernelWeight(w, self.weight_scale_inv, self.row_block)
+            scale = self.weight_scale_inv
+            self.kernel = cpu_kernels.KernelWeight(w.contiguous(), scale, self.row_block)
             return True
         if w.dtype != torch.bfloat16 or not can_pack(w):
             return False

@@ -26,7 +26,12 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         matvec = self.gate_up_proj.skinny(rows)
-        if matvec is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+        if (
+            matvec is not None
+            and self.down_proj.skinny(rows) is not None
+            and x.dtype == torch.bfloat16
+            and x.dim() == 2
+        ):
             # the same steps in one call of the CPU kernels (mci/kernels/cpu_moe.c)
             return matvec.gated_mlp(x, self.gate_up_proj.kernel, self.down_proj.kernel)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

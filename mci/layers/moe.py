@@ -318,7 +318,10 @@ class MoE(nn.Module):
         matvec = self._one_call(x)
         if matvec is not None:  # a few tokens on one process: the whole block in one call
             shared = self.shared_experts
-            in_call = shared is not None and shared.gate_up_proj.skinny(x.shape[0]) is not None
+            rows = x.shape[0]
+            in_call = shared is not None and all(
+                p.skinny(rows) is not None for p in (shared.gate_up_proj, shared.down_proj)
+            )
             out, weights, ids = matvec.moe(
                 x,
                 self.gate.logits(x),

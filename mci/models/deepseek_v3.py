@@ -168,7 +168,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         in_place = self.cpu_kernels is not None and self.dtype == torch.bfloat16
         if self.batch_invariant:  # every row alone in the decode kernel, else padded SDPA
             attention = self.model.layers[0].self_attn
-            if in_place and attention.kv_b_proj.matvec is not None:  # not FP8 weights
+            if in_place and attention.kv_b_proj.matvec is not None:  # the kernels run it
                 return AttentionLayout(row_query_max=EVERY_ROW)
             return AttentionLayout(key_multiple=ATTENTION_KEY_MULTIPLE)
         cpu = self.lm_head.weight.device.type == "cpu"  # the cascade's flash kernel is the CPU's
