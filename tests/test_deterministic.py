@@ -1,5 +1,6 @@
 """Deterministic (batch-invariant) inference: bf16 logits and outputs bit-identical whatever the
-batch, the chunking, the prefix cache or preemption (`--deterministic`)."""
+batch, the chunking, the prefix cache or preemption (`--deterministic`), with bf16 or FP8
+weights."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from mci.scheduler.config import SchedulerConfig
 from mci.tokenizer import TextTokenizer
 
 
-@pytest.fixture(scope="module")
-def bf16(checkpoint):
-    """A bf16 model in batch-invariant mode (its own object: the mode belongs to the model)."""
-    path = checkpoint(dtype="bfloat16")
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def bf16(checkpoint, request):
+    """A bf16 model in batch-invariant mode (its own object: the mode belongs to the model),
+    with bf16 weights or FP8 ones (on the CPU kernels: one order of sums at every row count)."""
+    path = checkpoint(dtype="bfloat16", fp8=request.param == "fp8")
     model = load_model(path, "bfloat16")
     model.set_batch_invariant(True)
     return path, model

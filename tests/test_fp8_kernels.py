@@ -1,11 +1,16 @@
 """FP8 weights read in place by the CPU kernels (mci/kernels/cpu_fp8.c).
 
 The reference is dequantise-then-multiply: the weight dequantised to bf16 (`dense_weight`),
-then a bf16 matmul with float32 sums. The kernels' claim, tested at decode, expert and
-prefill shapes: bit for bit the bf16 skinny kernel's result on the dequantised weight (the
-same bf16 weights, the same float32 sums in the same order), and so within float32
-summation order of the exact product: |out - exact| <= half a bf16 ulp of the result (its one
-rounding) + k * 2^-23 * sum |x * w| (float32 sums of k terms in any order).
+then a bf16 matmul with float32 sums. The kernels' claims, tested at decode, expert and
+prefill shapes:
+
+* up to 16 rows (decode), and at every row count with `skinny_order` (batch invariance): bit
+  for bit the bf16 skinny kernel's result on the dequantised weight (the same bf16 weights,
+  the same float32 sums in the same order);
+* more rows (prefill): the GEMM, whose sums run in another order: within float32 summation
+  order of the exact product, |out - exact| <= half a bf16 ulp of the result (its one
+  rounding) + k * 2^-23 * sum |x * w| (float32 sums of k terms in any order); and a row's
+  result does not depend on the other rows of the call.
 """
 
 from __future__ import annotations
@@ -69,10 +74,16 @@ def test_fp8_linear_is_the_bf16_kernel_on_the_dequantised_weight(parts, k, rows)
     dense = layer.dense_weight(torch.bfloat16).contiguous()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
     out = layer(x)  # Linear.forward: the FP8 kernels at every row count
-    assert torch.equal(out, KERNELS.linear(x, dense))
     _within_summation_order(out, x, dense)
-    # a row's result does not depend on the other rows of the call
-    assert torch.equal(layer(x[-1:]), out[-1:])
+    skinny = KERNELS.linear(x, dense)
+    if rows <= cpu_kernels.MAX_ROWS:
+        assert torch.equal(out, skinny)
+        assert torch.equal(layer(x[-1:]), out[-1:])  # whatever else shares the call
+    else:  # the GEMM: a row's result does not depend on the other rows either
+        assert torch.equal(layer(torch.cat((x[-7:], x[:20])))[:7], out[-7:])
+    layer.set_batch_invariant(True)  # the skinny kernels' order at every row count
+    assert torch.equal(layer(x), skinny)
+    assert torch.equal(layer(x[-1:]), skinny[-1:])
 
 
 @needs_fp8_kernels
@@ -91,9 +102,12 @@ def test_fp8_experts_and_their_weighted_sum_equal_the_bf16_kernels(rows_per_expe
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(a, hidden, generator=gen).bfloat16()
     got = KERNELS.expert_linear(x, gate_up.kernel, segments)
-    assert torch.equal(got, KERNELS.expert_linear(x, dense_gu.contiguous(), segments))
     for e, s, c in zip(ids, starts, counts, strict=True):
         _within_summation_order(got[s : s + c], x[s : s + c], dense_gu[e])
+    gate_up.set_batch_invariant(True)
+    down.set_batch_invariant(True)  # bit for bit the skinny kernels at every count
+    got = KERNELS.expert_linear(x, gate_up.kernel, segments)
+    assert torch.equal(got, KERNELS.expert_linear(x, dense_gu.contiguous(), segments))
     act = torch.randn(a, inter, generator=gen).bfloat16()
     tokens = torch.randint(0, 5, (a,), generator=gen)
     weights = torch.rand(a, generator=gen)

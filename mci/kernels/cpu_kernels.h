@@ -94,6 +94,7 @@ typedef struct {
     const float *scale;
     const int64_t *row_block;
     long scale_rows;
+    int skinny_order; /* FP8 above 16 rows: sum in the skinny kernels' order (cpu_fp8.c) */
 } Weight;
 
 static inline Weight expert_weight(const Weight *w, long e, long n, long k) {

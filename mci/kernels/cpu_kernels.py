@@ -81,6 +81,7 @@ class _Weight(ctypes.Structure):
         ("scale", ctypes.c_void_p),
         ("row_block", ctypes.c_void_p),
         ("scale_rows", ctypes.c_long),
+        ("skinny_order", ctypes.c_int),
     ]
 
 
@@ -115,8 +116,15 @@ class KernelWeight:
             None if scale is None else scale.data_ptr(),
             None if row_block is None else row_block.data_ptr(),
             0 if scale is None else scale.shape[-2],
+            0,
         )
         self.address = ctypes.addressof(self.struct)
+
+    def set_skinny_order(self, enabled: bool) -> None:
+        """FP8 calls of more than 16 rows sum in the skinny kernels' order (a row's result
+        then never depends on the call's row count: batch invariance) instead of the GEMM's
+        (faster; within float32 summation order of it). cpu_fp8.c."""
+        self.struct.skinny_order = int(enabled)
 
 
 def kernel_weight(weight: torch.Tensor | KernelWeight) -> KernelWeight:

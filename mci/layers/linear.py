@@ -13,10 +13,11 @@ block scales, stacked the same way:
 
 `row_block[r]` / `col_block[c]` give the scale row / column of weight row r / column c, so
 dequantisation is one gather and one multiply whatever the parts' alignment. On the CPU the
-matmuls read the FP8 bytes in place (mci/kernels/cpu_fp8.c, any number of rows: bit for bit
-the bf16 kernel's result on `dense_weight`, and the same for a row whatever else shares its
-call, so also under `--deterministic`); elsewhere, or without the kernels, the weight is
-dequantised to the activation dtype at each use (`dense_weight`).
+matmuls read the FP8 bytes in place (mci/kernels/cpu_fp8.c, any number of rows): up to 16
+rows bit for bit the bf16 skinny kernel's result on `dense_weight`, more rows through a GEMM
+within float32 summation order of it (as oneDNN is for bf16), and under `--deterministic`
+the skinny kernel's order at every row count; elsewhere, or without the kernels, the weight
+is dequantised to the activation dtype at each use (`dense_weight`).
 
 On the CPU an engine packs bf16 weights once into oneDNN's blocked layout
 (`pack_for_cpu`). aten's own bf16 matmul goes through oneDNN too but re-lays the weight out on
@@ -209,6 +210,7 @@ class Linear(nn.Module):
             self.matvec = kernels
             scale = self.weight_scale_inv
             self.kernel = cpu_kernels.KernelWeight(w.contiguous(), scale, self.row_block)
+            self.kernel.set_skinny_order(self.fixed_rows is not None)
             return True
         if w.dtype != torch.bfloat16 or not can_pack(w):
             return False
@@ -232,8 +234,11 @@ class Linear(nn.Module):
         return len(sizes)
 
     def set_batch_invariant(self, enabled: bool) -> None:
-        """Run every packed matmul at exactly `BATCH_INVARIANT_ROWS` rows (see above)."""
+        """Run every packed matmul at exactly `BATCH_INVARIANT_ROWS` rows (see above); FP8 on
+        the kernels sums in one order at every row count instead."""
         self.fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
+        if self.kernel is not None and self.kernel.fp8:
+            self.kernel.set_skinny_order(enabled)
 
     def skinny(self, rows: int, limit: int | None = None):
         """The skinny-matmul kernels (a `cpu_kernels.CpuKernels`) when a call of `rows` rows
