@@ -24,21 +24,19 @@ from mci.models.loader import load_model
 
 
 @pytest.mark.parametrize(
-    ("available", "others", "threads"),
+    ("available", "others", "max_threads", "threads"),
     [
-        (2, 0.0, 2),
-        (2, 0.6, 2),  # a front end's bursts do not take a CPU
-        (2, 1.0, 1),  # a busy neighbour does
-        (2, 1.6, 1),  # never fewer than one
-        (1.5, 0.0, 1),  # a 1.5-CPU quota: one whole CPU
-        (16, 3.3, 12),
-        (64, 0.0, 8),  # at most max_threads
+        (2, 0.0, 2, 2),
+        (2, 0.6, 2, 2),  # a front end's bursts do not take a CPU
+        (2, 1.0, 2, 1),  # a busy neighbour does
+        (2, 1.6, 2, 1),  # never fewer than one
+        (1.5, 0.0, 2, 1),  # a 1.5-CPU quota: one whole CPU
+        (16, 3.3, 16, 12),
+        (64, 0.0, 8, 8),  # at most max_threads
     ],
 )
-def test_target_threads(available, others, threads):
-    assert target_threads(available, others, max_threads=8 if available > 8 else 2) == min(
-        threads, 8
-    )
+def test_target_threads(available, others, max_threads, threads):
+    assert target_threads(available, others, max_threads) == threads
 
 
 class FakeReader:

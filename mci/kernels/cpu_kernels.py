@@ -285,20 +285,15 @@ class CpuKernels:
     ) -> torch.Tensor:
         """x [m, k] @ weight [n, k]^T (of stacked weight [E, n, k]'s `expert`) -> [m, n],
         bf16."""
-        weight = self._check(kernel_weight(weight))
         m, k = x.shape
+        if expert is not None:  # one segment of all the rows
+            segments = torch.tensor([[expert], [0], [m]], dtype=torch.long)
+            return self.expert_linear(x, weight, segments)
+        weight = self._check(kernel_weight(weight))
         n = weight.n
         if x.stride(1) != 1:
             x = x.contiguous()
         y = torch.empty(m, n, dtype=torch.bfloat16)
-        if expert is not None:  # one segment of all the rows
-            segments = torch.tensor([[expert], [0], [m]], dtype=torch.long)
-            ids, starts, counts = segments
-            self._experts(
-                x.data_ptr(), x.stride(0), weight.address, y.data_ptr(), n, ids.data_ptr(),
-                starts.data_ptr(), counts.data_ptr(), 1, n, k,
-            )  # fmt: skip
-            return y
         self._linear(x.data_ptr(), x.stride(0), weight.address, y.data_ptr(), n, m, n, k)
         return y
 
