@@ -15,11 +15,15 @@ It starts its own `mci serve` (the bundled model unless --model-path), then runs
    SIGSTOP (the watchdog's kill and restart). No client may hang; a failure is allowed only
    for a request that had started streaming (error event `engine_died`) — every other
    request completes. The time to healthy again is measured for SIGKILL and SIGSTOP.
-5. soak: mixed traffic for --soak-seconds (streams, client cuts, chats, n > 1, stop strings,
-   logprobs, near-limit prompts, bursts past the queue bound), sampling the server's and
-   engine's RSS and the KV usage every second. Passes with 0 5xx, no lost request (every 200
-   ends with a finish reason), KV usage 0 and integrity ok at the end, RSS after warm-up
-   growing < 5% and the peak within 1 GiB of the warm-up RSS.
+5. soak: mixed traffic for --soak-seconds from --soak-workers clients with no back-off
+   (streams, client cuts, chats, n > 1, stop strings, logprobs with and without echo,
+   near-limit prompts, bursts past the queue bound), sampling each process's RSS and the KV
+   usage every second, and the engine's heap (in use, free) every 5 s. Passes with 0 5xx, no
+   lost request (every 200 ends with a finish reason), KV usage 0 and integrity ok at the
+   end, and the engine's memory bounded: its RSS after the warm-up (the first quarter, at
+   most 5 minutes) growing < 5%, and its peak under the memory plan the engine states at
+   start (mci/engine/memory_plan.py) plus the process's own PROCESS_OWN_BYTES. The slope of
+   the engine's RSS over the soak's second half is reported (MB per hour).
 6. SIGTERM of the server with requests in flight: they complete, the process exits 0.
 
 Results: OUT/chaos.json (every figure and check) and OUT/chaos.png (RSS, KV usage, outcomes
@@ -44,6 +48,8 @@ from pathlib import Path
 
 import httpx
 
+from mci.process_memory import rss_bytes
+
 MAX_RUNNING = 8
 MAX_QUEUED = 24
 CONTEXT = 1024
@@ -52,10 +58,12 @@ MAX_QUEUE_TIME_S = 30.0
 LOAD_BEFORE_SIGNAL_S = 2.0
 RECOVERY_BOUND_S = 60.0  # a killed or hung engine serves again within this (the model loads)
 CLIENT_BOUND_S = 120.0  # no client may wait longer than this for an answer
-WARMUP_SHARE = 0.25  # of the soak: RSS is compared against its end
-RSS_GROWTH_LIMIT = 0.05
-RSS_PEAK_LIMIT = 2**30
-RSS_JUDGED_FROM_S = 120.0
+WARMUP_SHARE = 0.25  # of the soak: RSS is compared against its end ...
+WARMUP_MAX_S = 300.0  # ... or against the end of its first 5 minutes, the shorter
+RSS_GROWTH_LIMIT = 0.05  # the engine's RSS after warm-up, at the end
+PROCESS_OWN_BYTES = 512 * 2**20  # an engine process beside its plan: Python, torch, libraries
+SOAK_WORKERS = 48
+HEAP_EVERY_S = 5.0
 # Clients drop idle connections before the server's keep-alive timeout (uvicorn: 5 s) does:
 # otherwise a request sent on a connection the server is closing meets a reset, a race of the
 # client's pool, not a server failure.
@@ -70,16 +78,6 @@ def _free_port() -> int:
 
 def _limits(max_connections: int = 100) -> httpx.Limits:
     return httpx.Limits(max_connections=max_connections, keepalive_expiry=KEEPALIVE_EXPIRY_S)
-
-
-def _rss_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class Server:
@@ -454,10 +452,13 @@ def engine_signals(server: Server, rng: random.Random) -> dict:
 class Soak:
     """Mixed traffic for `seconds`, sampling RSS and KV usage every second."""
 
-    def __init__(self, server: Server, rng: random.Random, seconds: float, workers: int = 6):
+    def __init__(
+        self, server: Server, rng: random.Random, seconds: float, workers: int = SOAK_WORKERS
+    ):
         self.server, self.rng, self.seconds, self.workers = server, rng, seconds, workers
         self.outcomes: list[dict] = []
         self.samples: list[dict] = []
+        self.plan: dict | None = None  # the engine's memory plan (/internal/state)
 
     def _body(self) -> tuple[str, dict, int | None, str]:
         rng = self.rng
@@ -529,22 +530,30 @@ class Soak:
     async def _sample(self, until: float):
         pid_server = self.server.proc.pid
         engine = self.server.engine_pid()
+        next_heap = 0.0
         async with httpx.AsyncClient(limits=_limits(), timeout=10) as c:
             while time.monotonic() < until:
-                usage = None
+                usage, heap = None, {}
                 try:
                     text = (await c.get(self.server.url + "/metrics")).text
                     for line in text.splitlines():
                         if line.startswith("mci:kv_cache_usage_perc"):
                             usage = float(line.split()[-1])
-                except httpx.HTTPError:
+                    if time.monotonic() >= next_heap:
+                        next_heap = time.monotonic() + HEAP_EVERY_S
+                        state = (await c.get(self.server.url + "/internal/state")).json()
+                        memory = state.get("memory", {})
+                        heap = {k: memory[k] for k in ("heap_in_use_bytes", "heap_free_bytes")}
+                        self.plan = state.get("memory_plan", self.plan)
+                except (httpx.HTTPError, ValueError, KeyError):
                     pass
                 self.samples.append(
                     {
                         "t": round(time.monotonic() - self.start, 2),
-                        "rss_server": _rss_bytes(pid_server),
-                        "rss_engine": _rss_bytes(engine),
+                        "rss_server": rss_bytes(pid_server),
+                        "rss_engine": rss_bytes(engine),
                         "kv_usage": usage,
+                        **heap,
                     }
                 )
                 await asyncio.sleep(1.0)
@@ -563,14 +572,7 @@ class Soak:
         asyncio.run(self._run())
         counts = tally(self.outcomes)
         kv = self.server.kv_clean()
-        rss = [s["rss_server"] + s["rss_engine"] for s in self.samples]
-        warm = max(1, int(len(rss) * WARMUP_SHARE))
-        warm_rss = max(rss[:warm])
-        tail = rss[-max(1, len(rss) // 10) :]
-        growth = (sum(tail) / len(tail) - warm_rss) / warm_rss
-        peak_over = max(rss) - warm_rss
-        # a short soak's warm-up is too short to judge growth by (CI's run): reported only
-        growth_ok = growth < RSS_GROWTH_LIMIT or self.seconds < RSS_JUDGED_FROM_S
+        memory = memory_report(self.samples, self.seconds, self.plan)
         allowed = {"200_finished", "429", "cut_by_client", "400_near_limit"}
         unexpected = [o for o in self.outcomes if set(tally([o])) - allowed]
         return {
@@ -579,16 +581,50 @@ class Soak:
             "requests": len(self.outcomes),
             "counts": counts,
             "kv": kv,
-            "rss_warmup_bytes": warm_rss,
-            "rss_final_bytes": rss[-1],
-            "rss_peak_bytes": max(rss),
-            "rss_growth_after_warmup": round(growth, 4),
-            "rss_growth_judged": self.seconds >= RSS_JUDGED_FROM_S,
+            "memory": memory,
             "bursts": sum(1 for o in self.outcomes if o.get("burst")),
-            "ok": bool(
-                set(counts) <= allowed and kv["ok"] and growth_ok and peak_over < RSS_PEAK_LIMIT
-            ),
+            "ok": bool(set(counts) <= allowed and kv["ok"] and memory["ok"]),
         }
+
+
+def memory_report(samples: list[dict], seconds: float, plan: dict | None) -> dict:
+    """Each process's RSS after warm-up and at the end, the engine's growth, peak and slope
+    over the second half, judged as the module docstring says."""
+    t = [s["t"] for s in samples]
+    warm_t = min(WARMUP_MAX_S, seconds * WARMUP_SHARE)
+    warm = max(1, sum(1 for x in t if x <= warm_t))
+    tail = max(1, len(samples) // 10)
+    report: dict = {"warmup_s": warm_t}
+    for proc in ("engine", "server"):
+        rss = [s[f"rss_{proc}"] for s in samples]
+        warm_rss = max(rss[:warm])
+        end_rss = sum(rss[-tail:]) / tail
+        report[proc] = {
+            "rss_warmup_bytes": warm_rss,
+            "rss_end_bytes": int(end_rss),
+            "rss_peak_bytes": max(rss),
+            "growth_after_warmup": round((end_rss - warm_rss) / warm_rss, 4),
+        }
+    half = samples[len(samples) // 2 :]
+    report["engine"]["slope_second_half_mb_per_hour"] = round(_slope(half) * 3600 / 2**20, 1)
+    engine = report["engine"]
+    bound = None if plan is None else plan["total_bytes"] + PROCESS_OWN_BYTES
+    report["engine_peak_bound_bytes"] = bound
+    report["ok"] = engine["growth_after_warmup"] < RSS_GROWTH_LIMIT and (
+        bound is not None and engine["rss_peak_bytes"] <= bound
+    )
+    return report
+
+
+def _slope(samples: list[dict]) -> float:
+    """Least-squares slope of the engine's RSS over time, bytes per second."""
+    if len(samples) < 2:
+        return 0.0
+    xs = [s["t"] for s in samples]
+    ys = [s["rss_engine"] for s in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
 async def _in_flight_during_sigterm(server: Server, rng: random.Random) -> list[dict]:
@@ -635,7 +671,18 @@ def plot(samples: list[dict], outcomes: list[dict], path: Path) -> None:
     t = [s["t"] for s in samples]
     ax1.plot(t, [s["rss_server"] / 2**20 for s in samples], label="front end")
     ax1.plot(t, [s["rss_engine"] / 2**20 for s in samples], label="engine")
-    ax1.set_ylabel("RSS (MiB)")
+    heap = [s for s in samples if "heap_in_use_bytes" in s]
+    ax1.plot(
+        [s["t"] for s in heap],
+        [s["heap_in_use_bytes"] / 2**20 for s in heap],
+        label="engine heap in use",
+    )
+    ax1.plot(
+        [s["t"] for s in heap],
+        [s["heap_free_bytes"] / 2**20 for s in heap],
+        label="engine heap free (kept)",
+    )
+    ax1.set_ylabel("MiB")
     ax1.legend()
     ax2.plot(t, [100 * (s["kv_usage"] or 0) for s in samples])
     ax2.set_ylabel("KV usage (%)")
@@ -659,6 +706,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("chaos-results"))
     parser.add_argument("--model-path", default=None, help="default: the bundled model")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--soak-workers", type=int, default=SOAK_WORKERS)
+    parser.add_argument(
+        "--soak-only", action="store_true", help="the soak alone (a long memory soak)"
+    )
     parser.add_argument(
         "--skip-kernel-warmup", action="store_true", help="start the server without it (CI)"
     )
@@ -667,13 +718,14 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     report: dict = {"soak_seconds": args.soak_seconds, "seed": args.seed}
     server = Server(args.out, args.model_path, args.skip_kernel_warmup)
+    phases = (
+        ("disconnect_storm", lambda: asyncio.run(disconnect_storm(server, rng))),
+        ("overload", lambda: asyncio.run(overload(server, rng))),
+        ("malformed", lambda: asyncio.run(malformed(server, rng))),
+        ("engine_signals", lambda: engine_signals(server, rng)),
+    )
     try:
-        for name, run in (
-            ("disconnect_storm", lambda: asyncio.run(disconnect_storm(server, rng))),
-            ("overload", lambda: asyncio.run(overload(server, rng))),
-            ("malformed", lambda: asyncio.run(malformed(server, rng))),
-            ("engine_signals", lambda: engine_signals(server, rng)),
-        ):
+        for name, run in () if args.soak_only else phases:
             started, before = time.monotonic(), server.engine_generation()
             report[name] = run()
             report[name]["wall_s"] = round(time.monotonic() - started, 1)
@@ -682,11 +734,20 @@ def main(argv: list[str] | None = None) -> int:
                 report[name]["engine_undisturbed"] = undisturbed
                 report[name]["ok"] = report[name]["ok"] and undisturbed
             print(f"{name}: {'ok' if report[name]['ok'] else 'FAILED'}", flush=True)
-        soak, before = Soak(server, rng, args.soak_seconds), server.engine_generation()
+        soak = Soak(server, rng, args.soak_seconds, args.soak_workers)
+        before = server.engine_generation()
         report["soak"] = soak.run()
         report["soak"]["engine_undisturbed"] = server.engine_generation() == before
         report["soak"]["ok"] = report["soak"]["ok"] and report["soak"]["engine_undisturbed"]
-        print(f"soak: {'ok' if report['soak']['ok'] else 'FAILED'}", flush=True)
+        memory = report["soak"]["memory"]
+        print(
+            f"soak: {'ok' if report['soak']['ok'] else 'FAILED'}; engine RSS "
+            f"{memory['engine']['rss_warmup_bytes'] / 2**20:.0f} -> "
+            f"{memory['engine']['rss_end_bytes'] / 2**20:.0f} MiB "
+            f"({100 * memory['engine']['growth_after_warmup']:+.1f}%), slope "
+            f"{memory['engine']['slope_second_half_mb_per_hour']:+.1f} MB/h",
+            flush=True,
+        )
         report["soak_samples"] = soak.samples
         plot(soak.samples, soak.outcomes, args.out / "chaos.png")
         report["sigterm_drain"] = sigterm_drain(server, rng)

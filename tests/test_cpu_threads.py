@@ -18,6 +18,7 @@ from mci.engine.cpu_threads import (
     cgroup_quota,
     quota_files,
     target_threads,
+    thread_levels,
 )
 from mci.errors import UserError
 from mci.models.loader import load_model
@@ -32,11 +33,21 @@ from mci.models.loader import load_model
         (2, 1.6, 2, 1),  # never fewer than one
         (1.5, 0.0, 2, 1),  # a 1.5-CPU quota: one whole CPU
         (16, 3.3, 16, 12),
+        (16, 2.0, 16, 12),  # 14 free: the level below (oneDNN kernels per count)
+        (16, 9.0, 16, 4),
         (64, 0.0, 8, 8),  # at most max_threads
     ],
 )
 def test_target_threads(available, others, max_threads, threads):
     assert target_threads(available, others, max_threads) == threads
+
+
+@pytest.mark.parametrize(
+    ("max_threads", "levels"),
+    [(1, (1,)), (2, (2, 1)), (3, (3, 2, 1)), (8, (8, 6, 4, 2, 1)), (64, (64, 48, 32, 16, 1))],
+)
+def test_thread_levels(max_threads, levels):
+    assert thread_levels(max_threads) == levels
 
 
 class FakeReader:

@@ -39,6 +39,7 @@ FLOORS = (
         "mci.model_config",
         "mci.config_fields",
         "mci.process_tuning",
+        "mci.process_memory",
         "mci.loopback",
     ),
     ("mci.errors",),

@@ -14,6 +14,7 @@ from engine_helpers import drive, greedy, make_scheduler
 
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
+from mci.runner.sampler import SCORE_ROWS
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,25 @@ def test_prompt_logprobs_match_reference(setup, sched):
         _check(out, ids, ref_lp, ref_top, 2)
         assert len(out.output_token_ids) == (0 if i == 1 else 3)
         assert out.finish_reason == "length"
+
+
+def test_long_prompts_are_scored_in_slices(setup):
+    """Prompts longer than SCORE_ROWS, two in one step: their logits are computed a slice at a
+    time (a bounded buffer, mci/engine/memory_plan.py) and still match the reference."""
+    path, model, tok = setup
+    text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 40
+    ids = tok.encode(text)[: SCORE_ROWS + 50]
+    other = tok.encode("import os\n" * 90)[: SCORE_ROWS + 7]
+    assert len(ids) > SCORE_ROWS and len(other) > SCORE_ROWS
+    sch = make_scheduler(model, tok, path, max_total_tokens=4096)
+    reqs = [
+        Request("a", ids, greedy(2, prompt_logprobs=1)),
+        Request("b", other, greedy(0, prompt_logprobs=1)),
+    ]
+    finals = drive(sch, {0: reqs})
+    for name, prompt in (("a", ids), ("b", other)):
+        ref_lp, ref_top = _reference(path, prompt, 1)
+        _check(finals[name], prompt, ref_lp, ref_top, 1)
 
 
 def test_scoring_survives_preemption_and_cache_hits(setup):

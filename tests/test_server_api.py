@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -201,6 +204,41 @@ def test_native_generate_health_and_metrics(server):
         assert name in text, name
     state = server.wait_idle()
     assert state["integrity_ok"] and state["kv_cache_usage"] == 0
+
+
+def _gauge(text: str, name: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(name + " ") or x.startswith(name))
+    return float(line.split()[-1])
+
+
+def test_memory_is_exported(server):
+    """Each process's RSS and heap, the engine's plan and the bounded caches, in /metrics and
+    /internal/state, agreeing with what /proc says of the processes."""
+    state = server.wait_idle()
+    engine_rss = int(Path(f"/proc/{state['engine_pid']}/statm").read_text().split()[1])
+    engine_rss *= os.sysconf("SC_PAGE_SIZE")
+    memory = state["memory"]
+    assert 0.5 < memory["rss_bytes"] / engine_rss < 2  # read at most a second ago
+    assert memory["heap_in_use_bytes"] > 0 and memory["heap_free_bytes"] >= 0
+    plan = state["memory_plan"]
+    assert plan["total_bytes"] == sum(
+        plan[k] for k in ("weight_bytes", "kv_pool_bytes", "kernel_bytes", "transient_bytes")
+    )
+    assert plan["kv_pool_bytes"] > 0 and plan["kernel_capacity"] > 0
+    caches = state["caches"]
+    assert caches["radix_tokens"]["capacity"] == state["num_slots"]
+    assert caches["grammars"]["capacity"] > 0
+    front = state["front_end"]["memory"]
+    assert front["rss_bytes"] > 0 and "grammars" in front["caches"]
+    text = httpx.get(server.url + "/metrics").text
+    assert _gauge(text, 'mci:resident_memory_bytes{process="engine"}') > 0
+    assert _gauge(text, 'mci:resident_memory_bytes{process="front_end"}') > 0
+    assert _gauge(text, 'mci:heap_bytes{process="engine",state="in_use"}') > 0
+    assert _gauge(text, "mci:engine_memory_plan_bytes") == plan["total_bytes"]
+    assert _gauge(text, "mci:engine_heap_trims_total") == state["heap_trims"]
+    for cache in ("radix_tokens", "grammars", "onednn_kernels", "front_end_grammars"):
+        assert _gauge(text, f'mci:cache_capacity{{cache="{cache}"}}') > 0, cache
+    assert _gauge(text, 'mci:cache_entries{cache="radix_tokens"}') == state["tree_tokens"]
 
 
 def test_api_key(checkpoint):

@@ -24,8 +24,14 @@ from mci.cache.sizing import kv_pool_tokens
 from mci.cache.slot_pool import SlotPool
 from mci.engine.config import EngineConfig
 from mci.engine.core import EngineCore
-from mci.engine.cpu_threads import ThreadGovernor
+from mci.engine.cpu_threads import ThreadGovernor, thread_levels
 from mci.engine.dp_attention import DataParallelCore, follow_rounds
+from mci.engine.memory_plan import (
+    KERNEL_BYTES_ESTIMATE,
+    MemoryPlan,
+    limit_kernel_cache,
+    step_transient_bytes,
+)
 from mci.engine.ranks import join, load_agreed, load_sharded, start_followers
 from mci.engine.request_front import RequestFront
 from mci.engine.sharded_model import ShardedModel, follow
@@ -34,6 +40,7 @@ from mci.grammar.cache import xgrammar_cache
 from mci.model_config import ModelConfig
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.loader import load_model
+from mci.process_memory import CHeap
 from mci.process_tuning import keep_freed_memory
 from mci.runner.model_runner import ModelRunner
 from mci.scheduler.output_processor import OutputProcessor
@@ -157,7 +164,13 @@ def build_engine_core(
     scratch_cols = spec.num_steps if with_mtp else 0
     num_scratch = config.scheduler.max_running_requests * scratch_cols
     kv_cache = model.allocate_kv_cache(num_slots + num_scratch, device, with_mtp)
+    threads = compute_threads(config, device, model.parallel.world_size)
+    levels = thread_levels(threads.max_threads) if threads else (torch.get_num_threads(),)
+    # a step's tokens: a full prefill budget beside a decode token of every running request
+    max_rows = config.scheduler.max_prefill_tokens + config.scheduler.max_running_requests
+    kernel_capacity = 0
     if device.type == "cpu":
+        kernel_capacity = limit_kernel_cache(model.kernel_shapes(max_rows) * len(levels))
         log.info("prepared %d linear layers for the CPU", model.pack_for_cpu())
         log.info("malloc keeps freed memory: %s", keep_freed_memory())
     if config.model.deterministic or model.batch_invariant:  # a shared model may have it on
@@ -168,15 +181,23 @@ def build_engine_core(
         log.info(
             "deterministic (batch-invariant) inference %s", "on" if model.batch_invariant else "off"
         )
+    # logits: every running request's sampled rows (its drafts too)
+    logit_rows = config.scheduler.max_running_requests * (1 + (spec.num_steps or 0))
+    kernel_bytes = KERNEL_BYTES_ESTIMATE
     if device.type == "cpu" and not config.model.skip_kernel_warmup:
-        start = time.monotonic()
-        # a step's tokens: a full prefill budget beside a decode token of every running request
-        max_rows = config.scheduler.max_prefill_tokens + config.scheduler.max_running_requests
-        # logits: every running request's sampled rows (its drafts too); prompt logprobs of
-        # longer prompts compile their shapes on first use
-        logit_rows = config.scheduler.max_running_requests * (1 + (spec.num_steps or 0))
-        calls = model.warm_up_cpu_kernels(max_rows, logit_rows)
-        log.info("warmed up %d CPU matmul shapes in %.1f s", calls, time.monotonic() - start)
+        kernel_bytes = warm_up(model, max_rows, logit_rows, levels) or kernel_bytes
+    logits, activations = step_transient_bytes(
+        cfg, max_rows, logit_rows, cfg.max_position_embeddings
+    )
+    plan = MemoryPlan(
+        model.weight_bytes(),
+        (num_slots + num_scratch) * per_token,
+        kernel_capacity,
+        kernel_bytes,
+        logits,
+        activations,
+    )
+    plan.log()
     speculator = None
     if spec.enabled:
         if with_mtp:
@@ -194,8 +215,29 @@ def build_engine_core(
     runner = ModelRunner(model, kv_cache, eos_ids, speculator)
     grammar = xgrammar_cache(tokenizer, cfg.vocab_size, eos_ids)
     front = RequestFront(tokenizer, cfg.vocab_size, cfg.max_position_embeddings, grammar)
-    threads = compute_threads(config, device, model.parallel.world_size)
-    return EngineCore(scheduler, runner, front, config.check_integrity, grammar, threads)
+    return EngineCore(scheduler, runner, front, config.check_integrity, grammar, threads, plan)
+
+
+def warm_up(model: DeepseekV3ForCausalLM, max_rows: int, logit_rows: int, levels) -> int:
+    """Compile oneDNN's kernels for every shape a step can meet at every thread count the
+    governor may use (a set per count: engine/memory_plan.py), ending at the largest count;
+    returns the heap bytes a kernel took (0 if not measured)."""
+    start, heap = time.monotonic(), CHeap()
+    before = heap.stats()
+    calls = 0
+    for level in reversed(levels):
+        torch.set_num_threads(level)
+        calls += model.warm_up_cpu_kernels(max_rows, logit_rows)
+    after = heap.stats()
+    log.info(
+        "warmed up %d CPU matmul shapes at %s threads in %.1f s",
+        calls,
+        "/".join(map(str, levels)),
+        time.monotonic() - start,
+    )
+    if before is None or after is None or not calls:
+        return 0
+    return max(0, after["heap_in_use_bytes"] - before["heap_in_use_bytes"]) // calls
 
 
 def compute_threads(

@@ -22,11 +22,13 @@ from mci.core.request_ids import sample_ids
 from mci.core.sampling_params import SamplingParams
 from mci.engine.commands import AddRequest
 from mci.engine.cpu_threads import ThreadGovernor
+from mci.engine.memory_plan import MemoryPlan
 from mci.engine.request_front import RequestFront
 from mci.errors import UserError
 from mci.grammar.cache import GrammarCache, Window
 from mci.grammar.deferred import DeferredMatcher
 from mci.grammar.healing import LeadingMatcher
+from mci.process_memory import FreeMemoryBound, MemoryGauge, python_top
 from mci.runner.model_runner import ModelRunner
 from mci.scheduler.scheduler import Scheduler
 
@@ -95,6 +97,7 @@ class EngineCore:
         check_integrity: bool = False,
         grammar: GrammarCache | None = None,
         threads: ThreadGovernor | None = None,
+        memory_plan: MemoryPlan | None = None,
     ):
         self.scheduler = scheduler
         self.runner = runner
@@ -103,6 +106,11 @@ class EngineCore:
         self.grammar = grammar  # compiles constraints off this thread (None: no constraints)
         self.longest_step_s = 0.0  # what the front end's watchdog scales its timeout by
         self.threads = threads  # sets the CPU compute threads between steps (None: fixed)
+        self.memory = MemoryGauge()  # this process's RSS and heap, read at most once a second
+        self.memory_plan = memory_plan  # what each part may take at most (None: not planned)
+        # free heap kept for reuse: up to two steps' transients (process_memory.py)
+        budget = 2 * memory_plan.transient_bytes if memory_plan else None
+        self.free_memory = FreeMemoryBound(budget) if budget else None
 
     @property
     def kv(self) -> KVCacheManager:
@@ -158,10 +166,16 @@ class EngineCore:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         return self.scheduler.abort_request(request_id)
 
-    def idle(self) -> None:
-        """Called while there is no work (a parallel run keeps its ranks' collectives alive)."""
+    def between_steps(self) -> None:
+        """The periodic checks: compute threads, the heap's free memory."""
         if self.threads is not None:
             self.threads.between_steps()
+        if self.free_memory is not None:
+            self.free_memory.between_steps()
+
+    def idle(self) -> None:
+        """Called while there is no work (a parallel run keeps its ranks' collectives alive)."""
+        self.between_steps()
         self.runner.model.keepalive()
 
     def abort_all(self, error: str) -> list[RequestOutput]:
@@ -169,8 +183,7 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Advance every runnable request by one step; returns the step's outputs."""
-        if self.threads is not None:
-            self.threads.between_steps()
+        self.between_steps()
         outputs = self.scheduler.expire_deadlines() + self.scheduler.reject_failed_grammars()
         batch = self.scheduler.schedule()
         if batch:
@@ -202,7 +215,24 @@ class EngineCore:
             "longest_step_s": self.longest_step_s,
             "cpu_threads": 0 if self.threads is None else self.threads.threads,
             "counters": dict(sched.counters),
+            "memory": self.memory.snapshot(),
+            "heap_trims": self.free_memory.trims if self.free_memory else 0,
+            "caches": self.cache_sizes(),
+            "memory_plan_bytes": self.memory_plan.total_bytes if self.memory_plan else 0,
         }
+
+    def cache_sizes(self) -> dict:
+        """Each cache the engine keeps across requests: entries now and the bound."""
+        radix = self.kv.radix
+        tree = radix.total_tokens if radix else 0
+        caches = {"radix_tokens": {"entries": tree, "capacity": self.kv.pool.num_slots}}
+        if self.grammar is not None:
+            caches["grammars"] = self.grammar.size()
+        if self.memory_plan is not None and self.memory_plan.kernel_capacity:
+            # oneDNN does not report its entries through torch: the bound it keeps to
+            capacity = self.memory_plan.kernel_capacity
+            caches["onednn_kernels"] = {"entries": None, "capacity": capacity}
+        return caches
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every slot is free, the tree's, or exactly one running
@@ -222,6 +252,11 @@ class EngineCore:
         except AssertionError as exc:
             state["integrity_ok"] = False
             state["integrity_error"] = str(exc)
+        if self.memory_plan is not None:
+            state["memory_plan"] = self.memory_plan.as_dict()
+        top = python_top()
+        if top is not None:
+            state["python_top"] = top
         return state
 
 

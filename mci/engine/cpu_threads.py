@@ -19,7 +19,13 @@ What it reads, every `interval_s` (0.5 s), between steps (so never inside one):
   (/proc/self/task/*/schedstat): while two engine threads share two CPUs with a busy loop,
   each side gets only part of a CPU, and what the engine lost shows as its threads' wait.
 
-    target = floor(available) - floor(others / TAKEN), clamped to [1, max_threads]
+    target = floor(available) - floor(others / TAKEN), clamped to [1, max_threads],
+             then rounded down to one of `thread_levels(max_threads)`
+
+Why levels: oneDNN compiles a kernel per matmul shape *and thread count* (~0.55 MB of JIT
+code each; measured in docs/reliability.md), so every count the governor may pick is a full
+set of kernels. Five counts at most (max, 3/4, 1/2, 1/4 of it, 1) bound that memory, and the
+engine compiles every level's set at start (engine/builder.py), so none lands mid-traffic.
 
 Fewer threads at once (one more step with a preempted thread costs a scheduler slice); more
 only when `raise_after` windows in a row agree, so a short burst of other work does not make
@@ -62,12 +68,20 @@ class CpuReading:
     available: float  # CPUs this process may use now (affinity and quota)
 
 
+def thread_levels(max_threads: int) -> tuple[int, ...]:
+    """The thread counts the governor may choose, largest first: max_threads, 3/4, 1/2 and
+    1/4 of it, and 1 (2 CPUs: 2 and 1)."""
+    counts = {max_threads, max_threads * 3 // 4, max_threads // 2, max_threads // 4, 1}
+    return tuple(sorted((c for c in counts if c >= 1), reverse=True))
+
+
 def target_threads(available: float, others: float, max_threads: int) -> int:
     """Threads for `available` CPUs (a fractional quota counts its whole CPUs: a thread for
     the fraction is throttled every period) of which `others` CPUs are wanted by other work
-    (each `TAKEN` takes one)."""
+    (each `TAKEN` takes one), rounded down to a level."""
     free = math.floor(available + 1e-9) - math.floor(others / TAKEN + 1e-9)
-    return max(1, min(max_threads, free))
+    free = max(1, min(max_threads, free))
+    return next(level for level in thread_levels(max_threads) if level <= free)
 
 
 def quota_files(

@@ -56,6 +56,11 @@ class GrammarCache:
             self._futures.move_to_end(constraint)
             return future
 
+    def size(self) -> dict:
+        """Compiled constraints kept, and the bound."""
+        with self._lock:
+            return {"entries": len(self._futures), "capacity": CACHE_ENTRIES}
+
     def compile_now(self, constraint: Constraint) -> object:
         """Compile (or reuse) and wait; raises the backend's InvalidParameter."""
         return self.submit(constraint).result()

@@ -24,7 +24,7 @@ from mci.layers.attention import (
 )
 from mci.layers.attention_metadata import AttentionLayout, AttentionMetadata
 from mci.layers.embedding import VocabEmbedding, VocabHead
-from mci.layers.linear import Linear
+from mci.layers.linear import Linear, bucket_sizes
 from mci.layers.moe import MoE, RoutedExperts, TopKRouter
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import RotaryEmbedding
@@ -127,6 +127,15 @@ class DeepseekV3ForCausalLM(nn.Module):
                 calls += module.warm_up()
                 break
         return calls
+
+    def kernel_shapes(self, max_rows: int) -> int:
+        """At most how many oneDNN kernels steps of up to `max_rows` rows compile at one thread
+        count: every bucketed row count for each linear weight shape (the vocabulary head's
+        included: prompt logprobs reach `max_rows`), the absorbed attention's two per-head
+        matmuls and the grouped experts' two, plus a weight reorder per shape."""
+        shapes = {(m.out_features, m.in_features) for m in self.modules() if isinstance(m, Linear)}
+        rows = max(max_rows, RoutedExperts.GROUPED_MAX_ROWS)
+        return len(bucket_sizes(rows)) * (len(shapes) + 4) + len(shapes)
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """With `enabled`, compute every token's logits bit-identically whatever else shares

@@ -46,10 +46,10 @@ class ModelRunner:
         """Forward the batch, then sample each sampling item (verifying its drafts), score each
         scoring item, and draft for the next step when speculating.
 
-        Logits are computed only for the rows that need them, laid out as
-
-            [ scored prompt positions of every scoring item... | sampled rows of every
-              sampling item: its last known position, then one per draft ]
+        Logits are computed only for the rows that need them: the sampled rows of every
+        sampling item (its last known position, then one per draft) in one call, and the
+        scored prompt positions of every scoring item `SCORE_ROWS` rows at a time (echo with
+        logprobs over a long prompt would otherwise hold [prompt, vocab] float32 at once).
         """
         chunks, ids, score_rows, sample_rows = [], [], [], []
         offset = 0  # the item's first row among the step's flat tokens
@@ -68,24 +68,27 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta, self.kv_cache)
         self.forwards += 1
-        rows = score_rows + sample_rows
-        if not rows and self.speculator is None:
+        if not score_rows and not sample_rows and self.speculator is None:
             return SampleResult([], [])
         logits = None
-        if rows:
+        if sample_rows:
             selected = hidden
-            if len(rows) < hidden.shape[0] or score_rows:
-                selected = hidden.index_select(0, torch.tensor(rows, device=self.device))
+            if len(sample_rows) < hidden.shape[0]:
+                selected = hidden.index_select(0, torch.tensor(sample_rows, device=self.device))
             logits = self.model.logits(selected).cpu()
-        num_scored = len(score_rows)
-        result = self._sample_and_verify(batch, None if logits is None else logits[num_scored:])
+        result = self._sample_and_verify(batch, logits)
         if self.speculator is not None:
             sampling = [i for i, item in enumerate(batch.items) if item.sample]
             new_tokens = dict(zip(sampling, result.token_ids, strict=True))
             drafts = self.speculator.propose(batch.items, hidden, new_tokens)
             result.draft_ids.extend(drafts.get(i, []) for i in sampling)
-        if num_scored:
-            result.prompt_logprobs.extend(score_prompts(logits[:num_scored], batch.scoring_items))
+        if score_rows:
+            rows = torch.tensor(score_rows, device=self.device)
+
+            def logits_of(part: slice) -> torch.Tensor:
+                return self.model.logits(hidden.index_select(0, rows[part])).cpu()
+
+            result.prompt_logprobs.extend(score_prompts(logits_of, batch.scoring_items))
         return result
 
     def _sample_and_verify(self, batch: ScheduledBatch, logits: torch.Tensor | None):

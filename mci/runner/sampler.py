@@ -19,12 +19,15 @@ and OpenAI report them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from mci.core.batch import ScheduledItem, TokenLogprob
 from mci.core.request import Request
+
+SCORE_ROWS = 256  # prompt logprobs: rows of logits computed and scored at a time
 
 
 @dataclass(frozen=True)
@@ -185,15 +188,22 @@ def sample(
     return Draws(token_list, logprobs)
 
 
-def score_prompts(logits: torch.Tensor, items: list[ScheduledItem]) -> list[list[TokenLogprob]]:
-    """Prompt logprobs of each scoring item: `logits` holds their `scored_positions` rows back
-    to back; position j's row scores prompt token j + 1."""
+def score_prompts(
+    logits_of: Callable[[slice], torch.Tensor], items: list[ScheduledItem]
+) -> list[list[TokenLogprob]]:
+    """Prompt logprobs of each scoring item. `logits_of(part)`: float32 logits of a slice of
+    the scored rows (every item's `scored_positions` back to back; position j's row scores
+    prompt token j + 1), asked for `SCORE_ROWS` rows at most, so a long prompt's scores never
+    hold its whole [prompt, vocab] at once."""
     scores, row = [], 0
     for item in items:
         positions, req = item.scored_positions, item.request
-        rows = logits[row : row + len(positions)]
-        row += len(positions)
         targets = torch.tensor(req.prompt_ids[positions.start + 1 : positions.stop + 1])
-        lp = torch.log_softmax(rows, dim=-1)
-        scores.append(token_logprobs(lp, targets, req.params.prompt_logprobs))
+        scored: list[TokenLogprob] = []
+        for start in range(0, len(positions), SCORE_ROWS):
+            stop = min(start + SCORE_ROWS, len(positions))
+            lp = torch.log_softmax(logits_of(slice(row + start, row + stop)), dim=-1)
+            scored += token_logprobs(lp, targets[start:stop], req.params.prompt_logprobs)
+        row += len(positions)
+        scores.append(scored)
     return scores

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -224,6 +225,7 @@ def build_app(state: ServerState) -> FastAPI:
             **await state.engine.state(),
             "in_flight": state.engine.num_in_flight,
             "engine_pid": state.engine.process.pid,
+            "front_end": {"pid": os.getpid(), "memory": state.memory()},
         }
 
     def model_card() -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (
     0.001,
@@ -43,6 +43,7 @@ class ServerMetrics:
         stats: Callable[[], dict],
         restarts: Callable[[], int] = lambda: 0,
         hangs: Callable[[], int] = lambda: 0,
+        front_memory: Callable[[], dict] = dict,
     ):
         self.registry = r = CollectorRegistry()
         self._stats = stats
@@ -99,6 +100,7 @@ class ServerMetrics:
             Gauge(name, doc, registry=r).set_function(lambda k=key: float(self._stats().get(k, 0)))
         r.register(_SpecDecodeCollector(stats))
         r.register(_RestartCollector(restarts, hangs))
+        r.register(_MemoryCollector(stats, front_memory))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -152,3 +154,62 @@ class _SpecDecodeCollector:
             if key.startswith(self.PREFIX):
                 per_pos.add_metric([key[len(self.PREFIX) :]], value)
         yield per_pos
+
+
+class _MemoryCollector:
+    """Memory as an operator sees it (mci/process_memory.py, mci/engine/memory_plan.py): each
+    process's RSS and C heap (in use, and free but kept by malloc), the engine's planned
+    peak, and every bounded cache's entries and capacity. `front_memory()`: the front end's
+    own snapshot, with its caches under "caches"."""
+
+    def __init__(self, stats: Callable[[], dict], front_memory: Callable[[], dict]):
+        self._stats = stats
+        self._front = front_memory
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        stats, front = self._stats(), self._front()
+        processes = {"engine": stats.get("memory", {}), "front_end": front}
+        rss = GaugeMetricFamily(
+            "mci:resident_memory_bytes", "Resident set size", labels=["process"]
+        )
+        heap = GaugeMetricFamily(
+            "mci:heap_bytes",
+            "C heap (glibc malloc): in use by the program, or free and kept for reuse",
+            labels=["process", "state"],
+        )
+        for name, memory in processes.items():
+            if "rss_bytes" in memory:
+                rss.add_metric([name], memory["rss_bytes"])
+            for state in ("in_use", "free"):
+                if f"heap_{state}_bytes" in memory:
+                    heap.add_metric([name, state], memory[f"heap_{state}_bytes"])
+        yield rss
+        yield heap
+        yield CounterMetricFamily(
+            "mci:engine_heap_trims",
+            "Times the engine gave free heap memory back (past twice a step's transients)",
+            value=stats.get("heap_trims", 0),
+        )
+        if stats.get("memory_plan_bytes"):
+            yield GaugeMetricFamily(
+                "mci:engine_memory_plan_bytes",
+                "The engine's planned peak: weights, KV pool, oneDNN kernels, step transients",
+                value=stats["memory_plan_bytes"],
+            )
+        entries = GaugeMetricFamily(
+            "mci:cache_entries", "Entries a bounded cache holds now", labels=["cache"]
+        )
+        capacity = GaugeMetricFamily(
+            "mci:cache_capacity", "Entries a bounded cache holds at most", labels=["cache"]
+        )
+        caches = {**stats.get("caches", {})}
+        caches.update({f"front_end_{k}": v for k, v in front.get("caches", {}).items()})
+        for name, cache in sorted(caches.items()):
+            if cache.get("entries") is not None:
+                entries.add_metric([name], cache["entries"])
+            capacity.add_metric([name], cache["capacity"])
+        yield entries
+        yield capacity

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from mci.engine.request_front import RequestFront
 from mci.grammar.cache import xgrammar_cache
 from mci.model_config import ModelConfig
+from mci.process_memory import MemoryGauge
 from mci.server.config import ServerConfig
 from mci.server.engine_supervisor import EngineSupervisor
 from mci.server.metrics import ServerMetrics
@@ -31,10 +32,14 @@ class ServerState:
     tool_format: JsonEnvelope | DeepSeekV3Markup = field(init=False)
     think_end_id: int | None = field(init=False)  # `</think>`, if an added (whole) token
     draining: bool = False
+    memory_gauge: MemoryGauge = field(default_factory=MemoryGauge)
 
     def __post_init__(self):
         self.metrics = ServerMetrics(
-            lambda: self.engine.stats, lambda: self.engine.restarts, lambda: self.engine.hangs
+            lambda: self.engine.stats,
+            lambda: self.engine.restarts,
+            lambda: self.engine.hangs,
+            self.memory,
         )
         cfg = self.model_config
         grammar = xgrammar_cache(self.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
@@ -43,6 +48,12 @@ class ServerState:
         self.tool_format = tool_format_for(vocab, self.config.tool_call_parser)
         added = self.tokenizer.backend.get_added_tokens_decoder().items()
         self.think_end_id = next((i for i, t in added if t.content == THINK_END), None)
+
+    def memory(self) -> dict:
+        """The front end's RSS and heap, and its caches (the grammar cache of its 400s)."""
+        grammars = self.front.grammar.size() if self.front.grammar is not None else None
+        caches = {} if grammars is None else {"grammars": grammars}
+        return {**self.memory_gauge.snapshot(), "caches": caches}
 
     @property
     def context_length(self) -> int:
