@@ -10,7 +10,6 @@ someone holds (a cache, a leak); Python's share of them is what tracemalloc sees
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import time
 import tracemalloc
@@ -42,8 +41,7 @@ class CHeap:
     every method returns None / does nothing."""
 
     def __init__(self):
-        name = ctypes.util.find_library("c")
-        libc = ctypes.CDLL(name) if name else None
+        libc = ctypes.CDLL(None)  # the process's own symbols: its C library's among them
         self._mallinfo2 = getattr(libc, "mallinfo2", None)
         self._trim = getattr(libc, "malloc_trim", None)
         if self._mallinfo2 is not None:
@@ -105,21 +103,22 @@ class MemoryGauge:
 
 
 class FreeMemoryBound:
-    """Keeps the C heap's free memory within `budget_bytes` (plus what it last kept): glibc
-    holds freed memory for reuse (process_tuning.py keeps it, for speed), and a server's
-    varied shapes can leave it fragmented, so without a bound free chunks that never fit
-    again would stay resident for ever. Every `interval_s`, between steps: when the heap
-    holds more than `budget_bytes` free and at least `budget_bytes / 4` more than after the
-    last trim, `malloc_trim` gives the free pages back. With the budget at twice a step's
-    transients (engine/memory_plan.py), steps keep reusing memory as before: a quiet
-    machine's speed is unchanged; only growth past it is returned."""
+    """Keeps the C heap's free memory from staying resident past `budget_bytes`: glibc holds
+    freed memory for reuse (process_tuning.py keeps it, for speed), and a server's varied
+    shapes can leave it fragmented, so without a bound free chunks that never fit again would
+    stay resident for ever. Every `interval_s`, between steps, while the heap holds more than
+    `budget_bytes` free, `malloc_trim` gives the free pages back. (Trimmed holes still count
+    as free, and reusing one makes it resident again, so the check cannot tell resident free
+    memory from trimmed: it trims at every interval while free memory is over budget.) With
+    the budget at twice a step's transients (engine/memory_plan.py), steps keep reusing their
+    memory as before and a quiet machine's speed is unchanged; past it, what a trim costs is
+    page faults on the holes reused within the next interval."""
 
-    def __init__(self, budget_bytes: int, interval_s: float = 10.0, heap: CHeap | None = None):
+    def __init__(self, budget_bytes: int, interval_s: float = 60.0, heap: CHeap | None = None):
         self.budget = budget_bytes
         self.interval_s = interval_s
         self.heap = heap or CHeap()
         self._next = time.monotonic() + interval_s
-        self._kept = 0  # free bytes right after the last trim
         self.trims = 0
 
     def between_steps(self) -> None:
@@ -127,8 +126,6 @@ class FreeMemoryBound:
         if now < self._next or not self.heap.available:
             return
         self._next = now + self.interval_s
-        free = self.heap.stats()["heap_free_bytes"]
-        if free > self.budget and free - self._kept > self.budget // 4:
+        if self.heap.stats()["heap_free_bytes"] > self.budget:
             self.heap.trim()
-            self._kept = self.heap.stats()["heap_free_bytes"]
             self.trims += 1

@@ -82,11 +82,24 @@ def test_long_prompts_are_scored_in_slices(setup):
     other = tok.encode("import os\n" * 90)[: SCORE_ROWS + 7]
     assert len(ids) > SCORE_ROWS and len(other) > SCORE_ROWS
     sch = make_scheduler(model, tok, path, max_total_tokens=4096)
+    rows_per_call: list[int] = []
+    logits = model.logits
+
+    def counted(hidden):
+        rows_per_call.append(hidden.shape[0])
+        return logits(hidden)
+
+    model.logits = counted
     reqs = [
         Request("a", ids, greedy(2, prompt_logprobs=1)),
         Request("b", other, greedy(0, prompt_logprobs=1)),
     ]
-    finals = drive(sch, {0: reqs})
+    try:
+        finals = drive(sch, {0: reqs})
+    finally:
+        del model.logits  # the class's method again
+    assert max(rows_per_call) <= SCORE_ROWS  # never [prompt, vocab] at once
+    assert sum(rows_per_call) >= len(ids) + len(other) - 2
     for name, prompt in (("a", ids), ("b", other)):
         ref_lp, ref_top = _reference(path, prompt, 1)
         _check(finals[name], prompt, ref_lp, ref_top, 1)

@@ -29,7 +29,7 @@ from mci.engine.dp_attention import DataParallelCore, follow_rounds
 from mci.engine.memory_plan import (
     KERNEL_BYTES_ESTIMATE,
     MemoryPlan,
-    limit_kernel_cache,
+    kernel_cache_capacity,
     step_transient_bytes,
 )
 from mci.engine.ranks import join, load_agreed, load_sharded, start_followers
@@ -40,9 +40,10 @@ from mci.grammar.cache import xgrammar_cache
 from mci.model_config import ModelConfig
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.loader import load_model
-from mci.process_memory import CHeap
+from mci.process_memory import FreeMemoryBound, rss_bytes
 from mci.process_tuning import keep_freed_memory
 from mci.runner.model_runner import ModelRunner
+from mci.runner.sampler import SCORE_ROWS
 from mci.scheduler.output_processor import OutputProcessor
 from mci.scheduler.scheduler import Scheduler
 from mci.speculative.mtp import MTPDrafter
@@ -170,8 +171,9 @@ def build_engine_core(
     max_rows = config.scheduler.max_prefill_tokens + config.scheduler.max_running_requests
     kernel_capacity = 0
     if device.type == "cpu":
-        kernel_capacity = limit_kernel_cache(model.kernel_shapes(max_rows) * len(levels))
-        log.info("prepared %d linear layers for the CPU", model.pack_for_cpu())
+        shapes = model.kernel_shapes(max(max_rows, cfg.max_position_embeddings))
+        with kernel_cache_capacity(shapes * len(levels)) as kernel_capacity:
+            log.info("prepared %d linear layers for the CPU", model.pack_for_cpu())
         log.info("malloc keeps freed memory: %s", keep_freed_memory())
     if config.model.deterministic or model.batch_invariant:  # a shared model may have it on
         try:
@@ -181,8 +183,10 @@ def build_engine_core(
         log.info(
             "deterministic (batch-invariant) inference %s", "on" if model.batch_invariant else "off"
         )
-    # logits: every running request's sampled rows (its drafts too)
+    # logits: every running request's sampled rows (its drafts too), or a slice of scored
+    # prompt rows (runner/sampler.py)
     logit_rows = config.scheduler.max_running_requests * (1 + (spec.num_steps or 0))
+    logit_rows = max(logit_rows, SCORE_ROWS)
     kernel_bytes = KERNEL_BYTES_ESTIMATE
     if device.type == "cpu" and not config.model.skip_kernel_warmup:
         kernel_bytes = warm_up(model, max_rows, logit_rows, levels) or kernel_bytes
@@ -198,6 +202,8 @@ def build_engine_core(
         activations,
     )
     plan.log()
+    # on the CPU, free heap kept for reuse: up to two steps' transients (process_memory.py)
+    free_memory = FreeMemoryBound(2 * plan.transient_bytes) if device.type == "cpu" else None
     speculator = None
     if spec.enabled:
         if with_mtp:
@@ -215,29 +221,31 @@ def build_engine_core(
     runner = ModelRunner(model, kv_cache, eos_ids, speculator)
     grammar = xgrammar_cache(tokenizer, cfg.vocab_size, eos_ids)
     front = RequestFront(tokenizer, cfg.vocab_size, cfg.max_position_embeddings, grammar)
-    return EngineCore(scheduler, runner, front, config.check_integrity, grammar, threads, plan)
+    return EngineCore(
+        scheduler, runner, front, config.check_integrity, grammar, threads, plan, free_memory
+    )
 
 
 def warm_up(model: DeepseekV3ForCausalLM, max_rows: int, logit_rows: int, levels) -> int:
     """Compile oneDNN's kernels for every shape a step can meet at every thread count the
     governor may use (a set per count: engine/memory_plan.py), ending at the largest count;
-    returns the heap bytes a kernel took (0 if not measured)."""
-    start, heap = time.monotonic(), CHeap()
-    before = heap.stats()
+    returns the resident bytes a kernel took (0 if not measured: an upper bound, since what
+    the warm-up's own activations left in malloc's free lists counts too)."""
+    start, before = time.monotonic(), rss_bytes()
     calls = 0
     for level in reversed(levels):
         torch.set_num_threads(level)
         calls += model.warm_up_cpu_kernels(max_rows, logit_rows)
-    after = heap.stats()
+    after = rss_bytes()
     log.info(
         "warmed up %d CPU matmul shapes at %s threads in %.1f s",
         calls,
         "/".join(map(str, levels)),
         time.monotonic() - start,
     )
-    if before is None or after is None or not calls:
+    if not before or not after or not calls:
         return 0
-    return max(0, after["heap_in_use_bytes"] - before["heap_in_use_bytes"]) // calls
+    return max(0, after - before) // calls
 
 
 def compute_threads(

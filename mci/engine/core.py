@@ -98,6 +98,7 @@ class EngineCore:
         grammar: GrammarCache | None = None,
         threads: ThreadGovernor | None = None,
         memory_plan: MemoryPlan | None = None,
+        free_memory: FreeMemoryBound | None = None,
     ):
         self.scheduler = scheduler
         self.runner = runner
@@ -108,9 +109,7 @@ class EngineCore:
         self.threads = threads  # sets the CPU compute threads between steps (None: fixed)
         self.memory = MemoryGauge()  # this process's RSS and heap, read at most once a second
         self.memory_plan = memory_plan  # what each part may take at most (None: not planned)
-        # free heap kept for reuse: up to two steps' transients (process_memory.py)
-        budget = 2 * memory_plan.transient_bytes if memory_plan else None
-        self.free_memory = FreeMemoryBound(budget) if budget else None
+        self.free_memory = free_memory  # gives free heap past its budget back (None: never)
 
     @property
     def kv(self) -> KVCacheManager:

@@ -10,8 +10,10 @@ soak (scripts/chaos.py) holds the engine's RSS to.
   `kernels_per_level` shapes; the thread governor uses at most `levels` thread counts
   (engine/cpu_threads.py). The cache's capacity is set to their product
   (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`, unless the operator set it): oneDNN drops the least
-  recently used kernel beyond it, so this part never grows past `kernel_bytes`, and the
-  warm-up compiles every level's set at start (none lands mid-traffic).
+  recently used kernel beyond it, so this part never grows past `kernel_bytes`. The warm-up
+  compiles every level's set at start, so the common shapes never land mid-traffic; those
+  it leaves to first use are attention's expanded keys past a step's rows (long contexts),
+  inside the same bound. A kernel's size is measured at warm-up (RSS over kernels compiled).
 * **step transients**, freed when the step ends (and kept by malloc for the next one, see
   process_tuning.py): the logits of the rows a step samples (`logit_rows` x vocab float32,
   `SAMPLER_COPIES` of them alive in the sampler), prompt logprobs scored `SCORE_ROWS` rows at
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 from mci.model_config import ModelConfig
@@ -34,7 +37,7 @@ from mci.runner.sampler import SCORE_ROWS
 
 log = logging.getLogger("mci")
 
-KERNEL_BYTES_ESTIMATE = 600_000  # a oneDNN kernel when the warm-up did not measure one
+KERNEL_BYTES_ESTIMATE = 600_000  # a oneDNN kernel (RSS) when the warm-up did not measure one
 KERNEL_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 SAMPLER_COPIES = 8  # float32 [rows, vocab] tensors alive at once in runner/sampler.py
 ACTIVATION_LIVE = 4  # activations of the widest row alive at once, float32
@@ -105,11 +108,21 @@ def step_transient_bytes(
     return logits, activations
 
 
-def limit_kernel_cache(capacity: int) -> int:
-    """Bound oneDNN's kernel cache at `capacity` kernels (before its first use: oneDNN reads
-    the setting once); an operator's own setting wins. Returns the capacity in force."""
-    os.environ.setdefault(KERNEL_CACHE_ENV, str(max(1, capacity)))
+@contextmanager
+def kernel_cache_capacity(capacity: int):
+    """Bound oneDNN's kernel cache at `capacity` kernels for the oneDNN work started inside
+    (the engine's first: oneDNN reads the setting once per process, at its first kernel; in a
+    process where oneDNN already ran, the capacity it read then stays). An operator's own
+    setting wins. The variable is set only while inside, so processes started later (a test's
+    servers, a router's replicas) size their own. Yields the capacity asked for."""
+    ours = KERNEL_CACHE_ENV not in os.environ
+    if ours:
+        os.environ[KERNEL_CACHE_ENV] = str(max(1, capacity))
+    value = os.environ[KERNEL_CACHE_ENV]
+    # oneDNN ignores a value that is not a number and keeps its default
+    in_force = int(value) if value.strip().isdigit() else 1024
     try:
-        return int(os.environ[KERNEL_CACHE_ENV])
-    except ValueError:
-        return 1024  # oneDNN ignores a bad value and keeps its default
+        yield in_force
+    finally:
+        if ours:
+            os.environ.pop(KERNEL_CACHE_ENV, None)

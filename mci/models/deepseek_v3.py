@@ -129,9 +129,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         return calls
 
     def kernel_shapes(self, max_rows: int) -> int:
-        """At most how many oneDNN kernels steps of up to `max_rows` rows compile at one thread
-        count: every bucketed row count for each linear weight shape (the vocabulary head's
-        included: prompt logprobs reach `max_rows`), the absorbed attention's two per-head
+        """At most how many oneDNN kernels matmuls of up to `max_rows` rows (a step's tokens,
+        or the keys attention expands over a context) compile at one thread count: every
+        bucketed row count for each linear weight shape, the absorbed attention's two per-head
         matmuls and the grouped experts' two, plus a weight reorder per shape."""
         shapes = {(m.out_features, m.in_features) for m in self.modules() if isinstance(m, Linear)}
         rows = max(max_rows, RoutedExperts.GROUPED_MAX_ROWS)
