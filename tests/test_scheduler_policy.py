@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 
 import pytest
 
@@ -17,7 +18,7 @@ from mci.core.sampling_params import SamplingParams
 from mci.engine.config import DEFAULT_MODEL
 from mci.scheduler.config import SchedulerConfig
 from mci.scheduler.output_processor import OutputProcessor
-from mci.scheduler.scheduler import Scheduler
+from mci.scheduler.scheduler import LPM_MAX_WAIT_S, Scheduler
 from mci.tokenizer import TextTokenizer
 
 
@@ -122,6 +123,19 @@ def test_lpm_admits_the_longest_cached_prefix_first(tokenizer):
     runner, _ = run(sched, {0: [cold, hot]})
     assert first_step(runner, "hot") < first_step(runner, "cold")
     assert hot.num_cached_prompt_tokens == 40 and cold.num_cached_prompt_tokens == 0
+
+
+def test_lpm_never_passes_a_request_that_waited_long(tokenizer):
+    """A prompt sharing nothing with the cache that has waited LPM_MAX_WAIT_S goes before a
+    newer one with a cached prefix (no starvation under sustained overload)."""
+    sched = make(tokenizer, max_running_requests=1, schedule_policy="lpm")
+    shared = prompt(7, 40)
+    run(sched, {0: [Request("warm", shared + [5], greedy(1))]})
+    waited = time.monotonic() - LPM_MAX_WAIT_S - 1
+    cold = Request("cold", prompt(8, 41), greedy(1), arrival_time=waited)
+    hot = Request("hot", shared + [6], greedy(1))
+    runner, _ = run(sched, {0: [hot, cold]})
+    assert first_step(runner, "cold") < first_step(runner, "hot")
 
 
 def test_chunks_respect_chunk_size_and_step_budget(tokenizer):
