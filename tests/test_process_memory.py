@@ -84,16 +84,16 @@ def test_plan_adds_up_and_scales_with_the_configuration():
 
 
 def test_kernel_cache_capacity_is_set_inside_only(monkeypatch):
-    """Set while the engine's first oneDNN work runs, then removed (processes started later
-    size their own); an operator's setting wins and stays."""
+    """Set while the engine's first oneDNN work runs, in entries (3 a kernel; a kernel takes
+    2), then removed (processes started later size their own); an operator's setting wins."""
     monkeypatch.delenv(KERNEL_CACHE_ENV, raising=False)
-    with kernel_cache_capacity(1234) as capacity:
-        assert capacity == 1234 and os.environ[KERNEL_CACHE_ENV] == "1234"
+    with kernel_cache_capacity(1000) as kernels:
+        assert os.environ[KERNEL_CACHE_ENV] == "3000" and kernels == 1500
     assert KERNEL_CACHE_ENV not in os.environ
-    monkeypatch.setenv(KERNEL_CACHE_ENV, "77")
-    with kernel_cache_capacity(1234) as capacity:
-        assert capacity == 77
-    assert os.environ[KERNEL_CACHE_ENV] == "77"
+    monkeypatch.setenv(KERNEL_CACHE_ENV, "700")
+    with kernel_cache_capacity(1000) as kernels:
+        assert kernels == 350
+    assert os.environ[KERNEL_CACHE_ENV] == "700"
     monkeypatch.setenv(KERNEL_CACHE_ENV, "lots")
-    with kernel_cache_capacity(1234) as capacity:
-        assert capacity == 1024  # oneDNN's default: it ignores the bad value
+    with kernel_cache_capacity(1000) as kernels:
+        assert kernels == 512  # oneDNN's default of 1,024 entries: it ignores the bad value

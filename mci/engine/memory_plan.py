@@ -8,9 +8,9 @@ soak (scripts/chaos.py) holds the engine's RSS to.
   keeps it (~0.55 MB each, measured: docs/reliability.md). The engine's matmuls run at
   bucketed row counts (layers/linear.py), so a step of up to `max_rows` rows meets at most
   `kernels_per_level` shapes; the thread governor uses at most `levels` thread counts
-  (engine/cpu_threads.py). The cache's capacity is set to their product
-  (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`, unless the operator set it): oneDNN drops the least
-  recently used kernel beyond it, so this part never grows past `kernel_bytes`. The warm-up
+  (engine/cpu_threads.py). The cache's capacity is set to hold their product
+  (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`, in entries, unless the operator set it): oneDNN drops
+  the least recently used entry beyond it, so this part never grows past `kernel_bytes`. The warm-up
   compiles every level's set at start, so the common shapes never land mid-traffic; those
   it leaves to first use are attention's expanded keys past a step's rows (long contexts),
   inside the same bound. A kernel's size is measured at warm-up (RSS over kernels compiled).
@@ -39,6 +39,11 @@ log = logging.getLogger("mci")
 
 KERNEL_BYTES_ESTIMATE = 600_000  # a oneDNN kernel (RSS) when the warm-up did not measure one
 KERNEL_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+# oneDNN's cache counts entries, and a matmul kernel takes two (its primitive and its JIT
+# kernel; measured: 1,200 inner products needed a capacity of 2,400 to keep the first). The
+# capacity is set to 3 entries a kernel (room to spare), so at most capacity / 2 are kept.
+ENTRIES_PER_KERNEL = 2
+ENTRIES_SET_PER_KERNEL = 3
 SAMPLER_COPIES = 8  # float32 [rows, vocab] tensors alive at once in runner/sampler.py
 ACTIVATION_LIVE = 4  # activations of the widest row alive at once, float32
 
@@ -109,20 +114,20 @@ def step_transient_bytes(
 
 
 @contextmanager
-def kernel_cache_capacity(capacity: int):
-    """Bound oneDNN's kernel cache at `capacity` kernels for the oneDNN work started inside
+def kernel_cache_capacity(kernels: int):
+    """Size oneDNN's kernel cache for `kernels` kernels for the oneDNN work started inside
     (the engine's first: oneDNN reads the setting once per process, at its first kernel; in a
     process where oneDNN already ran, the capacity it read then stays). An operator's own
     setting wins. The variable is set only while inside, so processes started later (a test's
-    servers, a router's replicas) size their own. Yields the capacity asked for."""
+    servers, a router's replicas) size their own. Yields how many kernels it keeps at most."""
     ours = KERNEL_CACHE_ENV not in os.environ
     if ours:
-        os.environ[KERNEL_CACHE_ENV] = str(max(1, capacity))
+        os.environ[KERNEL_CACHE_ENV] = str(max(1, kernels * ENTRIES_SET_PER_KERNEL))
     value = os.environ[KERNEL_CACHE_ENV]
     # oneDNN ignores a value that is not a number and keeps its default
-    in_force = int(value) if value.strip().isdigit() else 1024
+    entries = int(value) if value.strip().isdigit() else 1024
     try:
-        yield in_force
+        yield max(1, entries // ENTRIES_PER_KERNEL)
     finally:
         if ours:
             os.environ.pop(KERNEL_CACHE_ENV, None)
