@@ -22,7 +22,7 @@ generate: $(VENV)/.installed
 	$(VENV)/bin/mci generate --prompt "$(PROMPT)" --max-new-tokens 32
 
 test: $(VENV)/.installed
-	$(PY) -m ruff check mci tests scripts benchmarks
+	$(PY) -m ruff check mci tests scripts benchmarks examples
 	$(PY) -m pytest -q
 
 # Contract fuzzing of the live server's OpenAPI schema, deeper than CI's seeded pass.
@@ -51,7 +51,7 @@ $(RAY_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-ray: $(RAY_VENV)/.installed
-	$(RAY_VENV)/bin/python -m pytest -q -m slow tests/test_ray_serve.py
+	$(RAY_VENV)/bin/python -m pytest -q -m slow tests/test_ray_serve.py tests/test_workflow_ray.py
 
 # lm-evaluation-harness through `mci serve` vs transformers (slow; installs the extra on first use).
 test-lm-eval: $(VENV)/.installed
@@ -59,8 +59,8 @@ test-lm-eval: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow tests/test_lm_eval.py
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check mci tests scripts benchmarks
-	$(PY) -m ruff format --check mci tests scripts benchmarks
+	$(PY) -m ruff check mci tests scripts benchmarks examples
+	$(PY) -m ruff format --check mci tests scripts benchmarks examples
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_decode.py

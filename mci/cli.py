@@ -1,5 +1,5 @@
-"""The `mci` command line: `serve`, `serve-ray`, `router`, `generate`, `run-batch`, `bench serve`,
-`plan`, `make-checkpoint`.
+"""The `mci` command line: `serve`, `serve-ray`, `router`, `workflow run|serve|deploy`,
+`generate`, `run-batch`, `bench serve`, `plan`, `make-checkpoint`.
 
 Each command's flags come from the config sections it takes (`config_fields.add_flags`), so
 no flag is written twice. User mistakes (bad flags, missing or broken checkpoints) print one
@@ -23,6 +23,7 @@ from mci.errors import UserError
 from mci.ray_serve.config import RayServeConfig
 from mci.router.config import RouterConfig
 from mci.server.config import ServerConfig
+from mci.workflow.config import WorkflowConfig
 
 __all__ = ["DEFAULT_MODEL", "main"]
 
@@ -202,6 +203,19 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return run_router(from_args(RouterConfig, args), args.worker_urls)
 
 
+def _cmd_workflow(args: argparse.Namespace) -> int:
+    from mci.workflow import launch
+
+    config = from_args(WorkflowConfig, args)
+    if args.workflow_command == "run":
+        return launch.run_once(args.target, args.input, config)
+    if args.workflow_command == "serve":
+        return launch.serve(args.target, config)
+    from mci.workflow.ray_app import deploy
+
+    return deploy(args.target, config)
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from mci.bench.serve import main as bench_main
 
@@ -279,6 +293,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(r, RouterConfig)
     r.set_defaults(func=_cmd_router)
+
+    w = sub.add_parser("workflow", help="compound workflows: typed steps calling models")
+    w_sub = w.add_subparsers(dest="workflow_command", required=True, parser_class=OneLineParser)
+    for name, help_ in (
+        ("run", "run a workflow once in this process and print its output as JSON"),
+        ("serve", "serve a workflow over HTTP in one process (POST /run)"),
+        ("deploy", "deploy a workflow on Ray Serve: a deployment per step, one HTTP ingress"),
+    ):
+        wc = w_sub.add_parser(name, help=help_)
+        wc.add_argument("target", metavar="FILE:ENTRY", help="a workflow file and its entry step")
+        if name == "run":
+            wc.add_argument("--input", required=True, help="the entry step's input, as JSON")
+        add_flags(wc, WorkflowConfig)
+        wc.set_defaults(func=_cmd_workflow)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(

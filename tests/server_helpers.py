@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -20,8 +21,9 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """`mci serve` (or another serving command: `mci router`) in a subprocess; `url` is its
-    base URL. Use as a context manager."""
+    """`mci serve` (or another serving command: `mci router`, or words of one such as
+    ("workflow", "serve", "FILE:ENTRY")) in a subprocess, with `env` added to its
+    environment; `url` is its base URL. Use as a context manager."""
 
     def __init__(
         self,
@@ -29,18 +31,24 @@ class LiveServer:
         *flags: str,
         startup_s: float = 120,
         dtype: str = "float32",
-        command: str = "serve",
+        command: str | tuple[str, ...] = "serve",
         port: int | None = None,
+        env: dict | None = None,
     ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "mci", command, "--port", str(self.port), *flags]
+        words = (command,) if isinstance(command, str) else command
+        cmd = [sys.executable, "-m", "mci", *words, "--port", str(self.port), *flags]
         if command in ("serve", "serve-ray") and "--skip-kernel-warmup" not in flags:
             cmd.append("--skip-kernel-warmup")  # seconds per server; no test times first requests
         if model_path is not None:  # None: the bundled default model, as `make run` serves
             cmd += ["--model-path", str(model_path), "--dtype", dtype]
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
         )
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
@@ -114,3 +122,17 @@ def long_request_then_queued(
         t.start()
     time.sleep(0.5)
     return long, queued
+
+
+def processes_titled(title: str) -> list[int]:
+    """Pids of the processes whose command line contains `title` (Ray Serve replicas show
+    `ServeReplica:APP:DEPLOYMENT` there)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if title.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids

@@ -21,7 +21,7 @@ ROOT = Path(mci.__file__).parent
 FLOORS = (
     ("mci.__main__",),  # python -m mci
     ("mci", "mci.cli"),  # the public face (Engine, EngineConfig, SamplingParams); the commands
-    ("mci.ray_serve",),  # Ray Serve deployments of replicas
+    ("mci.ray_serve", "mci.workflow"),  # Ray Serve deployments; compound workflows
     ("mci.replicas",),  # N servers behind the router (--dp-size, Ray Serve replicas)
     ("mci.server", "mci.router", "mci.bench"),  # HTTP front ends, and the load generator
     ("mci.engine",),  # THE engine: API, core step, loop, builder, commands, multi-rank
@@ -41,6 +41,7 @@ FLOORS = (
         "mci.process_tuning",
         "mci.process_memory",
         "mci.loopback",
+        "mci.tracing",
     ),
     ("mci.errors",),
 )

@@ -6,6 +6,7 @@ speculative decoding, parallel layout; each lives with its owner and checks itse
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,3 +97,16 @@ def add_engine_flags(parser: argparse.ArgumentParser, sections=tuple(SECTIONS)) 
 def engine_config_from_args(args: argparse.Namespace, sections=tuple(SECTIONS)) -> EngineConfig:
     """The EngineConfig of parsed flags; sections without flags keep their defaults."""
     return EngineConfig(**{name: from_args(SECTIONS[name], args) for name in sections})
+
+
+def engine_config_from_fields(values: dict) -> EngineConfig:
+    """An EngineConfig from field names of any section, as a program names them
+    (`model_path=..., dtype="bfloat16", max_total_tokens=8192`); an unknown name is an error."""
+    left = dict(values)
+    sections = {}
+    for name, section in SECTIONS.items():
+        fields = {f.name for f in dataclasses.fields(section)} & set(left)
+        sections[name] = section(**{f: left.pop(f) for f in fields})
+    if left:
+        raise UserError(f"unknown engine setting(s): {', '.join(sorted(left))}")
+    return EngineConfig(**sections)

@@ -309,6 +309,11 @@ class Engine:
         self.between_steps(self.core.check_idle_integrity)
 
     # ---- lifecycle --------------------------------------------------------------------------
+    @property
+    def stopped(self) -> bool:
+        """The engine takes no more requests (shut down, or its loop broke)."""
+        return self._stopped.is_set()
+
     def shutdown(self) -> None:
         """Stop the loop; unfinished requests get an aborted output."""
         self._stopped.set()

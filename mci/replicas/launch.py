@@ -28,7 +28,11 @@ def serve_data_parallel(engine_config: EngineConfig, server_config: ServerConfig
         deadline = time.monotonic() + REPLICA_START_S
         for replica in replicas:
             replica.wait_ready(deadline)
-        router = RouterConfig(host=server_config.host, port=server_config.port)
+        router = RouterConfig(
+            host=server_config.host,
+            port=server_config.port,
+            otlp_traces_endpoint=server_config.otlp_traces_endpoint,
+        )
         return run_router(router, [replica.url for replica in replicas])
     finally:
         for replica in replicas:  # all drain at once, then each stops its engine

@@ -5,6 +5,9 @@ there unchanged; the answer, streamed or not, comes back unchanged. Before the f
 failure (connection refused or reset, 5xx, 429) is retried on another replica after a jittered
 backoff, so a replica that dies or drains loses no request that had not started. After the
 first byte a stream whose replica dies is continued on another (router/resume.py).
+
+With --otlp-traces-endpoint every proxied request gets a span, `mci.router.request`, in the
+trace of its W3C `traceparent`, and the replica's request names that span as its parent.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from mci.errors import error_body
 from mci.router.config import RouterConfig
@@ -27,6 +31,7 @@ from mci.router.metrics import RouterMetrics
 from mci.router.policy import make_policy
 from mci.router.resume import StreamRelay
 from mci.router.workers import Worker, WorkerPool
+from mci.tracing import Tracing, context_with_span
 
 log = logging.getLogger("mci")
 
@@ -78,9 +83,60 @@ async def read_proxied(request: Request) -> tuple[bytes, dict, dict] | JSONRespo
     return raw, body, headers
 
 
+class ProxySpan:
+    """A proxied request's span, `mci.router.request` (a child of its traceparent), from its
+    arrival until its answer or stream ends: the replica that answered (`mci.replica`: the last
+    one, for a resumed stream), the retries before a first byte over all its hops
+    (`mci.retries`), and a broken stream's resumes (`mci.resumes`). The hops to the replicas
+    carry it as their parent. Without tracing the span is a no-op one that still passes the
+    incoming trace on."""
+
+    def __init__(self, tracing: Tracing, headers, path: str):
+        parent = tracing.extract(headers)
+        self.span = tracing.tracer.start_span(
+            "mci.router.request", parent, kind=SpanKind.SERVER, attributes={"http.route": path}
+        )
+        self.context = context_with_span(self.span, parent)
+        self.retries = 0
+        self.resumes = 0
+        self.error: str | None = None  # why the request failed, if it did
+
+    def forward(self, headers: dict) -> dict:
+        """`headers` with this span as the next hop's parent (`traceparent`)."""
+        return Tracing.inject(headers, self.context)
+
+    def answered(self, worker: Worker) -> None:
+        self.span.set_attribute("mci.replica", worker.url)
+
+    def failed(self, why: str) -> None:
+        self.error = self.error or why  # the first cause, not what it led to
+
+    def end(self, status_code: int | None = None) -> None:
+        self.span.set_attribute("mci.retries", self.retries)
+        if self.resumes:
+            self.span.set_attribute("mci.resumes", self.resumes)
+        if status_code is not None:
+            self.span.set_attribute("http.response.status_code", status_code)
+            if status_code >= 500:
+                self.failed(f"answered {status_code}")
+        if self.error is not None:
+            self.span.set_status(Status(StatusCode.ERROR, self.error))
+        self.span.end()
+
+    async def until_done(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """`stream`, ending the span when it ends (done, broken, or the client gone)."""
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            await stream.aclose()
+            self.end(200)
+
+
 class Router:
     def __init__(self, config: RouterConfig, urls: list[str]):
         self.config = config
+        self.tracing = Tracing(config.otlp_traces_endpoint, "mci-router")
         self.pool = WorkerPool(urls, config.breaker_failures, config.breaker_cooldown)
         self.policy = make_policy(
             config.policy,
@@ -93,15 +149,24 @@ class Router:
 
     # ---- dispatch -----------------------------------------------------------------------------
     async def open(
-        self, path: str, raw: bytes, key, headers: dict, exclude: set[str] = frozenset()
+        self,
+        path: str,
+        raw: bytes,
+        key,
+        headers: dict,
+        exclude: set[str] = frozenset(),
+        span: ProxySpan | None = None,
     ) -> tuple[Worker, httpx.Response] | JSONResponse:
         """Send the request to a replica and return its response, headers read and body not;
-        retried on others before the first byte. An error response when none can take it."""
+        retried on others before the first byte. An error response when none can take it.
+        `span`: the request's, told of the retries and of the replica that answered."""
         tried = set(exclude)
         last = "no replica is available"
         for attempt in range(self.config.max_retries + 1):
             if attempt:
                 self.metrics.retries.inc()
+                if span is not None:
+                    span.retries += 1
                 await asyncio.sleep(retry_delay_s(attempt))
             candidates = self.pool.available(tried)
             if not candidates:
@@ -142,21 +207,37 @@ class Router:
                 continue
             self.pool.succeeded(worker)
             worker.requests += 1
+            if span is not None:
+                span.answered(worker)
             return worker, upstream
+        if span is not None:
+            span.failed(f"no replica could take the request ({last})")
         return error_response(503, f"no replica could take the request ({last})")
 
     async def proxy(self, path: str, request: Request) -> Response:
+        span = ProxySpan(self.tracing, request.headers, path)
+        try:
+            response = await self._answer(path, request, span)
+        except BaseException:  # cancelled (the client left): the span ends all the same
+            span.end()
+            raise
+        if not isinstance(response, StreamingResponse):  # a stream ends the span at its end
+            span.end(response.status_code)
+        return response
+
+    async def _answer(self, path: str, request: Request, span: ProxySpan) -> Response:
         parsed = await read_proxied(request)
         if isinstance(parsed, JSONResponse):
             return parsed
         raw, body, headers = parsed
+        span.forward(headers)  # the replica's spans are children of the router's
         key = routing_key(path, body)
         relay = None
         if body.get("stream") and not self.config.disable_stream_resume:
             relay = StreamRelay.maybe(path, body)
             if relay is not None:
                 raw = relay.first_body()
-        opened = await self.open(path, raw, key, headers)
+        opened = await self.open(path, raw, key, headers, span=span)
         if isinstance(opened, JSONResponse):
             return opened
         worker, upstream = opened
@@ -172,17 +253,20 @@ class Router:
                 media_type=upstream.headers.get("content-type"),
             )
         if relay is None:
-            stream = self._plain_stream(worker, upstream)
+            stream = self._plain_stream(worker, upstream, span)
         else:
-            stream = relay.run(self, path, key, headers, worker, upstream)
-        return StreamingResponse(stream, media_type="text/event-stream")
+            stream = relay.run(self, path, key, headers, worker, upstream, span)
+        return StreamingResponse(span.until_done(stream), media_type="text/event-stream")
 
-    async def _plain_stream(self, worker: Worker, upstream: httpx.Response) -> AsyncIterator:
+    async def _plain_stream(
+        self, worker: Worker, upstream: httpx.Response, span: ProxySpan
+    ) -> AsyncIterator:
         try:
             async for chunk in upstream.aiter_raw():
                 yield chunk
         except httpx.TransportError:
             self.pool.failed(worker)
+            span.failed(f"replica {worker.url} failed mid-stream")
             error = {"error": {"message": f"replica {worker.url} failed mid-stream"}}
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
         finally:

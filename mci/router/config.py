@@ -35,6 +35,11 @@ class RouterConfig:
         "fail a stream whose replica dies mid-stream instead of continuing it on another "
         "replica (continuing is exact for greedy and seeded streams with n = 1)",
     )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        "export OpenTelemetry traces over OTLP/HTTP to this URL (e.g. http://host:4318/v1/traces):"
+        " a span per proxied request, joining its W3C traceparent and passed on to the replica",
+    )
 
     def __post_init__(self):
         check_choices(self)

@@ -40,7 +40,10 @@ def run_router(config: RouterConfig, urls: list[str]) -> int:
         build_router_app(router), host=config.host, port=config.port, log_level="warning"
     )
     server = _RouterServer(uv)
-    server.run()
+    try:
+        server.run()
+    finally:
+        router.tracing.shutdown()  # the last requests' spans leave before the process does
     if not server.started:
         raise UserError(f"could not listen on {config.host}:{config.port}")
     return 0

@@ -82,7 +82,11 @@ class StreamRelay:
             body["echo"] = False  # the prompt was echoed already
         return json.dumps(body).encode()
 
-    async def run(self, router, path, key, headers, worker, upstream) -> AsyncIterator[bytes]:
+    async def run(
+        self, router, path, key, headers, worker, upstream, span=None
+    ) -> AsyncIterator[bytes]:
+        """The client's stream over replicas in turn; each hop is sent with `headers` (the
+        request's `span` as its traceparent), and `span` counts the resumes."""
         resumes = 0
         while True:
             broken = None
@@ -105,7 +109,7 @@ class StreamRelay:
             if resumes < MAX_RESUMES and self.resumable:
                 # nothing generated yet: a plain retry is exact
                 body = self.resume_body() if self.token_ids else self.first_body()
-                opened = await router.open(path, body, key, headers, {worker.url})
+                opened = await router.open(path, body, key, headers, {worker.url}, span)
                 if isinstance(opened, tuple) and opened[1].status_code != 200:
                     failed_worker, failed = opened
                     await failed.aclose()
@@ -114,11 +118,15 @@ class StreamRelay:
             if not isinstance(opened, tuple):
                 router.metrics.resume_failed.inc()
                 message = f"replica {worker.url} failed mid-stream ({broken}); could not resume"
+                if span is not None:
+                    span.failed(message)
                 yield _sse({"error": {"message": message, "type": "server_error"}})
                 yield b"data: [DONE]\n\n"
                 return
             router.metrics.resumed.inc()
             resumes += 1
+            if span is not None:
+                span.resumes = resumes
             worker, upstream = opened
 
     async def _relay(self, upstream: httpx.Response, resumed: bool) -> AsyncIterator[bytes]:

@@ -4,6 +4,8 @@ Every request: guard (size limit, API key) -> parse and validate (400 names the 
 -> admission (503 while draining or without an engine, 429 with Retry-After when the queue is
 full) -> tokenize -> submit to the engine process -> stream or collect outputs. A client that
 disconnects has its samples aborted at once (the engine frees their KV slots in its next step).
+With --otlp-traces-endpoint each sample's spans join the request's W3C `traceparent`
+(submission.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from opentelemetry.context import Context
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mci import __version__
@@ -272,7 +275,8 @@ def build_app(state: ServerState) -> FastAPI:
                 state.front.check_resume(params, resume)
         _admit(state, len(prompts) * params.n)
         rid = new_request_id("cmpl")
-        sub = Submission(state, rid, got.computed, got.params, body.priority or 0, resume)
+        trace = _trace_parent(state, request)
+        sub = Submission(state, rid, got.computed, got.params, body.priority or 0, resume, trace)
         ctx = StreamContext(
             state,
             sub,
@@ -309,7 +313,8 @@ def build_app(state: ServerState) -> FastAPI:
                 state.front.check_resume(params, resume)
         _admit(state, params.n)
         rid = new_request_id("chatcmpl")
-        sub = Submission(state, rid, [ids], params, body.priority or 0, resume)
+        trace = _trace_parent(state, request)
+        sub = Submission(state, rid, [ids], params, body.priority or 0, resume, trace)
         if body.stream:
             ctx = StreamContext(
                 state,
@@ -348,7 +353,8 @@ def build_app(state: ServerState) -> FastAPI:
         await _check_constraints(state, got.params, requests.NATIVE_NAMES)
         _admit(state, len(prompts) * params.n)
         rid = new_request_id("gen")
-        sub = Submission(state, rid, got.computed, got.params, body.priority or 0)
+        trace = _trace_parent(state, request)
+        sub = Submission(state, rid, got.computed, got.params, body.priority or 0, trace=trace)
         if body.stream:
             ctx = StreamContext(state, sub, rid, list(zip(prompts, encoded)), params)
             return await streaming_response(stream_native(ctx), ctx, request)
@@ -390,6 +396,12 @@ def _document_400_not_422(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def _trace_parent(state: ServerState, request: Request) -> Context | None:
+    """The parent of a request's spans: its W3C traceparent (without one, a new trace). None
+    while tracing is off: no spans, and no header parsed."""
+    return state.tracing.extract(request.headers) if state.tracing.enabled else None
 
 
 def _include_usage(body) -> bool:

@@ -59,6 +59,11 @@ class ServerConfig:
         "has its markup tokens, else a JSON envelope)",
         ["deepseekv3", "json"],
     )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        "export OpenTelemetry traces over OTLP/HTTP to this URL (e.g. http://host:4318/v1/traces):"
+        " a span per sample (queue, prefill, decode), joining the request's W3C traceparent",
+    )
 
     def __post_init__(self):
         check_choices(self)

@@ -112,6 +112,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         server.run()
     finally:
         engine.shutdown()
+        state.tracing.shutdown()  # the last requests' spans leave before the process does
     if not server.started:
         raise UserError(f"could not listen on {server_config.host}:{server_config.port}")
     log.info("stopped")

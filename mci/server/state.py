@@ -1,5 +1,6 @@
 """What the HTTP handlers share: the engine's supervisor, the request front, limits, metrics,
-the drain flag. One per server; built by `mci serve` (launch.py) and handed to `build_app`."""
+tracing, the drain flag. One per server; built by `mci serve` (launch.py) and handed to
+`build_app`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from mci.server.metrics import ServerMetrics
 from mci.server.reasoning import END as THINK_END
 from mci.server.tool_formats import DeepSeekV3Markup, JsonEnvelope, tool_format_for
 from mci.tokenizer import TextTokenizer
+from mci.tracing import Tracing
 
 
 @dataclass
@@ -31,6 +33,7 @@ class ServerState:
     front: RequestFront = field(init=False)
     tool_format: JsonEnvelope | DeepSeekV3Markup = field(init=False)
     think_end_id: int | None = field(init=False)  # `</think>`, if an added (whole) token
+    tracing: Tracing = field(init=False)  # --otlp-traces-endpoint (a no-op tracer without)
     draining: bool = False
     memory_gauge: MemoryGauge = field(default_factory=MemoryGauge)
 
@@ -48,6 +51,7 @@ class ServerState:
         self.tool_format = tool_format_for(vocab, self.config.tool_call_parser)
         added = self.tokenizer.backend.get_added_tokens_decoder().items()
         self.think_end_id = next((i for i, t in added if t.content == THINK_END), None)
+        self.tracing = Tracing(self.config.otlp_traces_endpoint, "mci-serve")
 
     def memory(self) -> dict:
         """The front end's RSS and heap, and its caches (the grammar cache of its 400s)."""

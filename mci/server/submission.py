@@ -1,4 +1,5 @@
-"""The samples of one HTTP request inside the engine, and their latency metrics."""
+"""The samples of one HTTP request inside the engine, their latency metrics, and their spans
+(--otlp-traces-endpoint): each sample's, recorded once it ends."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from mci.core.outputs import QUEUE_TIMEOUT, REQUEST_TIMEOUT, RequestOutput
 from mci.core.request import Resume
@@ -16,14 +19,19 @@ from mci.engine.commands import AddRequest
 from mci.server.engine_supervisor import EngineDied
 from mci.server.errors import RETRY_AFTER_S, HTTPError
 from mci.server.state import ServerState
+from mci.tracing import context_with_span, wall_ns
 
 
 @dataclass
 class _Tracker:
-    """Per-sample timing for the latency histograms."""
+    """Per-sample timing (monotonic seconds) for the latency histograms and the spans."""
 
+    prompt_tokens: int
     start: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
     last_token: float | None = None
+    queue_time_s: float | None = None  # the engine's: arrival -> first scheduled
+    output_tokens: int = 0  # generated here (a resumed request's earlier tokens not counted)
 
 
 class Submission:
@@ -37,9 +45,14 @@ class Submission:
         params: SamplingParams | list[SamplingParams],
         priority: int,
         resume: Resume | None = None,
+        trace: Context | None = None,
     ):
-        """`params`: for every prompt, or one each (token healing makes them differ)."""
+        """`params`: for every prompt, or one each (token healing makes them differ).
+        `trace`: the parent of the samples' spans (the request's traceparent; an empty
+        context starts a trace), None for no spans (tracing off, health probes)."""
         self.state = state
+        self.rid = rid
+        self.trace = trace
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.index: dict[str, int] = {}
         self.trackers: dict[str, _Tracker] = {}
@@ -55,7 +68,7 @@ class Submission:
                 )
                 for sid, _ in state.engine.submit(command, queue=self.queue):
                     self.index[sid] = len(self.index)
-                    self.trackers[sid] = _Tracker()
+                    self.trackers[sid] = _Tracker(len(ids))
                     self.remaining.add(sid)
                 state.metrics.prompt_tokens.inc(len(ids))
         except EngineDied:
@@ -96,9 +109,13 @@ class Submission:
         if tracker is None:
             return
         now = time.monotonic()
+        if tracker.queue_time_s is None:
+            tracker.queue_time_s = out.queue_time_s
         if out.new_token_ids:
             m.generation_tokens.inc(len(out.new_token_ids))
+            tracker.output_tokens += len(out.new_token_ids)
             if tracker.last_token is None:
+                tracker.first_token = now
                 m.ttft.observe(now - tracker.start)
                 if out.queue_time_s is not None:
                     m.queue.observe(out.queue_time_s)
@@ -112,15 +129,71 @@ class Submission:
                 m.aborted.inc()
             else:
                 m.success.labels(finished_reason=out.finish_reason).inc()
+            if self.trace is not None:
+                self._record_spans(out.request_id, tracker, now, out)
 
     def abort(self) -> None:
         """Abort every unfinished sample (client gone); counted here, since nobody will read
         their final outputs."""
         for sid in list(self.remaining):
             self.state.engine.abort(sid)
+            tracker, now = self.trackers.pop(sid), time.monotonic()
             self.state.metrics.aborted.inc()
-            self.state.metrics.e2e.observe(time.monotonic() - self.trackers.pop(sid).start)
+            self.state.metrics.e2e.observe(now - tracker.start)
+            if self.trace is not None:
+                self._record_spans(sid, tracker, now)
         self.remaining.clear()
+
+    def _record_spans(
+        self, sid: str, tracker: _Tracker, end: float, final: RequestOutput | None = None
+    ) -> None:
+        """A sample's spans, after the fact: `mci.request` (submission -> end) and its phases
+        `mci.queue` (-> first scheduled), `mci.prefill` (-> first token), `mci.decode` (-> end);
+        a phase the sample never reached is left out. `final`: its last output (None: aborted
+        here, the client gone)."""
+        end_ns = wall_ns(end)
+
+        def ns(t: float) -> int:  # one clock reading for all: the times keep their order
+            return end_ns - int((end - t) * 1e9)
+
+        first = tracker.first_token
+        reached = first if first is not None else end
+        queued = tracker.queue_time_s
+        scheduled = reached if queued is None else min(tracker.start + queued, reached)
+        attributes = {
+            "mci.request_id": self.rid,  # the response's id
+            "mci.sample_id": sid,  # the engine's (and /generate's meta_info.id)
+            "mci.choice_index": self.index[sid],
+            "gen_ai.usage.input_tokens": tracker.prompt_tokens,
+            "gen_ai.usage.output_tokens": tracker.output_tokens,
+            "mci.finish_reason": "abort",
+        }
+        if first is not None:
+            attributes["mci.ttft_s"] = first - tracker.start
+        if final is not None:
+            attributes["mci.finish_reason"] = final.finish_reason or "abort"
+            attributes["mci.cached_tokens"] = final.num_cached_tokens
+            if final.output_token_ids:  # the response's count (a resumed request's included)
+                attributes["gen_ai.usage.output_tokens"] = len(final.output_token_ids)
+            if final.error:
+                attributes["mci.error"] = final.error
+        tracing = self.state.tracing
+        span = tracing.tracer.start_span(
+            "mci.request",
+            context=self.trace,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+            start_time=ns(tracker.start),
+        )
+        if final is not None and final.error:
+            span.set_status(Status(StatusCode.ERROR, final.error))
+        inside = context_with_span(span, self.trace)
+        tracing.span_between("mci.queue", ns(tracker.start), ns(scheduled), inside)
+        if queued is not None or first is not None:
+            tracing.span_between("mci.prefill", ns(scheduled), ns(reached), inside)
+        if first is not None:
+            tracing.span_between("mci.decode", ns(first), end_ns, inside)
+        span.end(end_time=end_ns)
 
     async def collect(self, request: Request) -> dict[str, RequestOutput]:
         """Wait for every sample to finish; abort them all if the client goes away."""
