@@ -34,6 +34,7 @@ FLOORS = (
     ("mci.cache",),
     ("mci.core",),  # Request, SamplingParams, batches, outputs, request ids
     ("mci.grammar",),
+    ("mci.tenancy",),  # tenants: keys, weights, quotas, residency (server, router read it)
     (
         "mci.tokenizer",
         "mci.model_config",

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mci.core.sampling_params import SamplingParams
+from mci.tenancy.tenants import DEFAULT_TENANT
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +44,16 @@ class Resume:
 
     output_ids: tuple[int, ...]
     text_offset: int
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    """Whose a request is, as the scheduler needs it: the tenant's name, its weight under the
+    fair policy, and how many of its requests may run at once (None: no bound of its own)."""
+
+    tenant: str = DEFAULT_TENANT
+    weight: float = 1.0
+    max_running: int | None = None
 
 
 @dataclass(eq=False)
@@ -68,6 +79,7 @@ class Request:
     # --max-queue-time: shared by a prompt's samples, so that once one is scheduled none of
     # its siblings (deferred behind its prefill) is ended as "queued too long"
     queue_clock: QueueClock | None = None
+    share: TenantShare = TenantShare()  # its tenant (fair scheduling, per-tenant caps)
     # --- state -----------------------------------------------------------------------------
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from mci.core.outputs import RequestOutput
-from mci.core.request import Resume
+from mci.core.request import Resume, TenantShare
 from mci.core.sampling_params import SamplingParams
 
 
@@ -43,6 +43,7 @@ class AddRequest:
     resume: Resume | None = None  # n = 1: the output to continue from
     # then ended with QUEUE_TIMEOUT unless one of its samples has been scheduled
     queue_timeout_s: float | None = None
+    share: TenantShare = TenantShare()  # whose it is (the front end resolved the tenant)
 
     def aged(self, elapsed_s: float) -> AddRequest:
         """This command passed on `elapsed_s` after it was taken: its bounds that much closer."""

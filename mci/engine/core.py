@@ -218,7 +218,21 @@ class EngineCore:
             "heap_trims": self.free_memory.trims if self.free_memory else 0,
             "caches": self.cache_sizes(),
             "memory_plan_bytes": self.memory_plan.total_bytes if self.memory_plan else 0,
+            "tenants": self.tenant_stats(),
         }
+
+    def tenant_stats(self) -> dict:
+        """Each tenant's fair-share account (counter, share of the service so far, tokens) and
+        its requests running and waiting now."""
+        tenants = self.scheduler.fair.snapshot()
+        for key, queue in (
+            ("running", self.scheduler.running),
+            ("waiting", self.scheduler.waiting),
+        ):
+            for req in queue:
+                entry = tenants.setdefault(req.share.tenant, {})
+                entry[key] = entry.get(key, 0) + 1
+        return tenants
 
     def cache_sizes(self) -> dict:
         """Each cache the engine keeps across requests: entries now and the bound."""

@@ -129,7 +129,12 @@ class RequestFront:
         queue_s = command.queue_timeout_s
         # shared by the samples: once one is scheduled, none of them is "queued too long"
         clock = None if queue_s is None else QueueClock(now + queue_s)
-        timing = {"priority": command.priority, "deadline": deadline, "queue_clock": clock}
+        timing = {
+            "priority": command.priority,
+            "deadline": deadline,
+            "queue_clock": clock,
+            "share": command.share,
+        }
         resume = command.resume
         if resume is not None:
             self.check_resume(params, resume)

@@ -8,8 +8,10 @@ MciReplica owns one `mci serve` replica in a child process on a loopback port
 engine crash recovery and drain. Its methods stream the server's answer back: first a head
 (status, content type, which replica), then the body's bytes as they come.
 
-MciIngress is the OpenAI endpoint: it reads the body once, computes the prompt's routing key
-(router/app.py's rule) for the request router, and relays the replica's answer unchanged.
+MciIngress is the OpenAI endpoint: it admits the request (ray_serve/residency.py: the
+tenant's key, and whether the deployment's region and pool labels may serve it, else a
+fail-closed 503), reads the body once, computes the prompt's routing key (router/app.py's
+rule) for the request router, and relays the replica's answer unchanged.
 Before the first byte, a replica that failed, or answered 500/502/503 without Retry-After
 (an overload answer is the client's to act on), is excluded and another tried after a
 jittered backoff; after it, a failure ends the stream with an error event.
@@ -31,9 +33,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mci.engine.config import EngineConfig
 from mci.loopback import free_loopback_port
+from mci.ray_serve.residency import refusal
 from mci.replicas.replica_process import ReplicaProcess
-from mci.router.app import PROXIED, error_response, read_proxied, retry_delay_s, routing_key
+from mci.router.app import (
+    PROXIED,
+    error_response,
+    load_tenants,
+    read_proxied,
+    retry_delay_s,
+    routing_key,
+)
 from mci.server.config import ServerConfig
+from mci.tenancy.residency import Labels
 
 log = logging.getLogger("mci")
 REPLICA_START_S = 600.0
@@ -98,9 +109,13 @@ class MciReplica:
 class MciIngress:
     """The OpenAI endpoint in front of the MciReplica deployment."""
 
-    def __init__(self, replicas, max_retries: int = 3):
+    def __init__(self, replicas, server_config: ServerConfig | None = None, max_retries: int = 3):
         self.replicas = replicas
         self.max_retries = max_retries
+        config = server_config or ServerConfig()
+        # the file is read here, on the ingress's node: no key travels through Ray's store
+        self.tenants = load_tenants(config.tenants)
+        self.labels = Labels(config.region, config.pool)  # every replica's: one deployment
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -120,6 +135,9 @@ class MciIngress:
         return Response(content, status_code=status, media_type=content_type or None)
 
     async def _proxy(self, path: str, request: Request) -> Response:
+        refused = refusal(self.tenants, request.headers, self.labels)
+        if refused is not None:
+            return refused
         parsed = await read_proxied(request)
         if isinstance(parsed, JSONResponse):
             return parsed

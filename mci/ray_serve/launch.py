@@ -71,7 +71,7 @@ def build_application(
         max_ongoing_requests=100_000,  # the replicas bound the load; the ingress only relays
     )
     threads = max(1, int(ray_config.cpus_per_replica))
-    return ingress.bind(replica.bind(engine_config, server_config, threads))
+    return ingress.bind(replica.bind(engine_config, server_config, threads), server_config)
 
 
 def serve_ray(

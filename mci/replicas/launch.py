@@ -32,6 +32,7 @@ def serve_data_parallel(engine_config: EngineConfig, server_config: ServerConfig
             host=server_config.host,
             port=server_config.port,
             otlp_traces_endpoint=server_config.otlp_traces_endpoint,
+            tenants=server_config.tenants,  # the replicas check them too
         )
         return run_router(router, [replica.url for replica in replicas])
     finally:

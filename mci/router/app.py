@@ -8,6 +8,12 @@ first byte a stream whose replica dies is continued on another (router/resume.py
 
 With --otlp-traces-endpoint every proxied request gets a span, `mci.router.request`, in the
 trace of its W3C `traceparent`, and the replica's request names that span as its parent.
+
+Residency (mci/tenancy/residency.py): with --tenants a request's key names its tenant (an
+unknown key is a 401), and only replicas whose labels (region, pool; read from /server_info
+at the health checks) the tenant allows, narrowed by the request's X-Mci-Region, are ever
+candidates: for the first attempt, the retries and a resumed stream's hops alike. When none
+is available the request fails closed (503), never sent elsewhere.
 """
 
 from __future__ import annotations
@@ -19,18 +25,21 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from mci.errors import error_body
+from mci.errors import UserError, error_body
 from mci.router.config import RouterConfig
 from mci.router.metrics import RouterMetrics
 from mci.router.policy import make_policy
 from mci.router.resume import StreamRelay
 from mci.router.workers import Worker, WorkerPool
+from mci.tenancy.residency import REGION_HEADER, Labels, Residency, narrowing_error
+from mci.tenancy.tenants import TenantTable, bearer_token
 from mci.tracing import Tracing, context_with_span
 
 log = logging.getLogger("mci")
@@ -58,8 +67,39 @@ def routing_key(path: str, body: dict):
     return prompt if isinstance(prompt, str) else ""
 
 
-def error_response(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:
-    return JSONResponse(error_body(message, kind), status_code=status)
+def error_response(
+    status: int, message: str, kind: str = "service_unavailable", code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, code=code), status_code=status)
+
+
+def load_tenants(path: str | None) -> TenantTable:
+    """--tenants' table; without one, the open table (no key checked, no tenant pinned, so
+    only a request's own X-Mci-Region narrows where it goes)."""
+    return TenantTable.load(Path(path)) if path else TenantTable.single(None)
+
+
+def _why(exc: Exception) -> str:
+    """What is wrong with a tenants file, in one line without its contents: a UserError's
+    first line (a YAML error's later lines quote the file, keys and all), else the type."""
+    lines = str(exc).splitlines() if isinstance(exc, UserError) else []
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+def admit(tenants: TenantTable, headers) -> Residency | JSONResponse:
+    """Where a request may run: its tenant (`Authorization: Bearer KEY`) and the region its
+    X-Mci-Region narrows that to. A 401 for an unknown key, a 403 for a header region its
+    tenant does not allow. Keys are never logged or echoed."""
+    tenant = tenants.resolve(bearer_token(headers.get("authorization")))
+    if tenant is None:
+        return error_response(
+            401, "invalid API key", "authentication_error", code="invalid_api_key"
+        )
+    region = (headers.get(REGION_HEADER) or "").strip() or None
+    refused = narrowing_error(tenant, region)
+    if refused is not None:
+        return error_response(403, refused, "permission_error", code="region_not_allowed")
+    return Residency(tenant, region)
 
 
 def retry_delay_s(attempt: int) -> float:
@@ -146,6 +186,18 @@ class Router:
         )
         self.metrics = RouterMetrics(self.pool)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        self.tenants = load_tenants(config.tenants)
+
+    def reload_tenants(self) -> None:
+        """SIGHUP: read the tenants file again. A broken file keeps the table in force (a
+        router must not lose its tenants to a typo) and says so in one line, without keys."""
+        try:
+            table = load_tenants(self.config.tenants)
+        except Exception as exc:  # noqa: BLE001 - a signal handler must not stop the router
+            log.warning("tenants file not reloaded, keeping the previous one: %s", _why(exc))
+            return
+        self.tenants = table
+        log.info("tenants file reloaded: %d tenant(s)", len(table.tenants))
 
     # ---- dispatch -----------------------------------------------------------------------------
     async def open(
@@ -156,19 +208,23 @@ class Router:
         headers: dict,
         exclude: set[str] = frozenset(),
         span: ProxySpan | None = None,
+        *,
+        residency: Residency,
     ) -> tuple[Worker, httpx.Response] | JSONResponse:
         """Send the request to a replica and return its response, headers read and body not;
         retried on others before the first byte. An error response when none can take it.
-        `span`: the request's, told of the retries and of the replica that answered."""
+        `span`: the request's, told of the retries and of the replica that answered. Only
+        replicas `residency` allows are candidates, at every attempt (required: no caller may
+        forget it); when none of them can take it, a 503 that names the constraint."""
         tried = set(exclude)
-        last = "no replica is available"
+        last = None
         for attempt in range(self.config.max_retries + 1):
             if attempt:
                 self.metrics.retries.inc()
                 if span is not None:
                     span.retries += 1
                 await asyncio.sleep(retry_delay_s(attempt))
-            candidates = self.pool.available(tried)
+            candidates = self._allowed(self.pool.available(tried), residency)
             if not candidates:
                 break
             worker = self.policy.choose(candidates, key)
@@ -210,9 +266,26 @@ class Router:
             if span is not None:
                 span.answered(worker)
             return worker, upstream
+        if residency.restricted:
+            message = residency.unavailable(last)
+        else:
+            message = f"no replica could take the request ({last or 'no replica is available'})"
         if span is not None:
-            span.failed(f"no replica could take the request ({last})")
-        return error_response(503, f"no replica could take the request ({last})")
+            span.failed(message)
+        return error_response(503, message)
+
+    def _allowed(self, workers: list[Worker], residency: Residency) -> list[Worker]:
+        """The workers `residency` allows; each one it leaves out is counted, by reason."""
+        if not residency.restricted:
+            return workers
+        kept = []
+        for worker in workers:
+            reason = residency.rejects(worker.labels)
+            if reason is None:
+                kept.append(worker)
+            else:
+                self.metrics.residency_rejections.labels(reason).inc()
+        return kept
 
     async def proxy(self, path: str, request: Request) -> Response:
         span = ProxySpan(self.tracing, request.headers, path)
@@ -226,6 +299,9 @@ class Router:
         return response
 
     async def _answer(self, path: str, request: Request, span: ProxySpan) -> Response:
+        residency = admit(self.tenants, request.headers)
+        if isinstance(residency, JSONResponse):
+            return residency
         parsed = await read_proxied(request)
         if isinstance(parsed, JSONResponse):
             return parsed
@@ -237,7 +313,7 @@ class Router:
             relay = StreamRelay.maybe(path, body)
             if relay is not None:
                 raw = relay.first_body()
-        opened = await self.open(path, raw, key, headers, span=span)
+        opened = await self.open(path, raw, key, headers, span=span, residency=residency)
         if isinstance(opened, JSONResponse):
             return opened
         worker, upstream = opened
@@ -255,7 +331,9 @@ class Router:
         if relay is None:
             stream = self._plain_stream(worker, upstream, span)
         else:
-            stream = relay.run(self, path, key, headers, worker, upstream, span)
+            stream = relay.run(
+                self, path, key, headers, worker, upstream, span, residency=residency
+            )
         return StreamingResponse(span.until_done(stream), media_type="text/event-stream")
 
     async def _plain_stream(
@@ -281,11 +359,25 @@ class Router:
                 ok = r.status_code == 200
             except httpx.HTTPError:
                 ok = False
+            if ok:  # before any re-admission: a replica comes back with its labels of now
+                worker.labels = await self._labels(worker)
             if worker.open_until and (not ok or time.monotonic() < worker.open_until):
+                if not ok:  # else its cooldown's end alone would let requests in again
+                    worker.healthy = False
                 return  # ejected: out for its cooldown, then until a check passes
             self.pool.health(worker, ok)
 
         await asyncio.gather(*(one(w) for w in list(self.pool.workers.values())))
+
+    async def _labels(self, worker: Worker) -> Labels:
+        """The worker's labels from its /server_info. None when it has none or did not say
+        (an older server, a timeout): then it is outside every region and pool until a check
+        reads them, while its health, and so unrestricted traffic, stays /health's verdict."""
+        try:
+            r = await self.client.get(worker.url + "/server_info", timeout=2.0)
+            return Labels.from_info(r.json() if r.status_code == 200 else None)
+        except (httpx.HTTPError, ValueError):
+            return Labels()
 
     async def health_loop(self) -> None:
         while True:
@@ -296,6 +388,7 @@ class Router:
 def build_router_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        await router.check_health()  # the replicas' labels, before the first request
         task = asyncio.create_task(router.health_loop())
         try:
             yield
@@ -319,7 +412,10 @@ def build_router_app(router: Router) -> FastAPI:
         return error_response(503, "no replica is available")
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        admitted = admit(router.tenants, request.headers)  # a known key, as for the API
+        if isinstance(admitted, JSONResponse):
+            return admitted
         for worker in router.pool.available():
             try:
                 r = await router.client.get(worker.url + "/v1/models", timeout=5.0)
@@ -334,6 +430,8 @@ def build_router_app(router: Router) -> FastAPI:
             "workers": [
                 {
                     "url": w.url,
+                    "region": w.labels.region,
+                    "pool": w.labels.pool,
                     "available": w.available,
                     "in_flight": w.in_flight,
                     "requests": w.requests,

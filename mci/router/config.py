@@ -35,6 +35,12 @@ class RouterConfig:
         "fail a stream whose replica dies mid-stream instead of continuing it on another "
         "replica (continuing is exact for greedy and seeded streams with n = 1)",
     )
+    tenants: str | None = option(
+        None,
+        "tenants file (JSON or YAML, as mci serve's): API keys -> tenants; a tenant's requests "
+        "go only to replicas in its regions and pools, failing closed (503) when none is "
+        "available; reloaded on SIGHUP (default: no tenant checks)",
+    )
     otlp_traces_endpoint: str | None = option(
         None,
         "export OpenTelemetry traces over OTLP/HTTP to this URL (e.g. http://host:4318/v1/traces):"

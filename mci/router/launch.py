@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 
 import uvicorn
 
@@ -29,12 +30,15 @@ def run_router(config: RouterConfig, urls: list[str]) -> int:
         if not url.startswith(("http://", "https://")):
             raise UserError(f"--worker-urls: {url!r} is not an http(s) URL")
     router = Router(config, urls)
+    if config.tenants is not None:  # uvicorn handles SIGINT/SIGTERM only: SIGHUP stays ours
+        signal.signal(signal.SIGHUP, lambda *_: router.reload_tenants())
     log.info(
-        "router on http://%s:%d over %d replica(s), policy %s",
+        "router on http://%s:%d over %d replica(s), policy %s%s",
         config.host,
         config.port,
         len(urls),
         config.policy,
+        f", {len(router.tenants.tenants)} tenant(s)" if config.tenants else "",
     )
     uv = uvicorn.Config(
         build_router_app(router), host=config.host, port=config.port, log_level="warning"

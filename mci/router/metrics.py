@@ -1,5 +1,6 @@
 """The router's Prometheus metrics (`mci_router:` names): per replica requests, estimated
-cache-hit rate, load, availability, ejections and re-admissions; retries and resumed streams."""
+cache-hit rate, load, availability, ejections and re-admissions; retries, resumed streams, and
+replicas left out of a routing decision by residency."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mci.router.workers import WorkerPool
+from mci.tenancy.residency import REASONS
 
 
 class RouterMetrics:
@@ -23,6 +25,14 @@ class RouterMetrics:
             "Streams that broke and could not be continued",
             registry=r,
         )
+        self.residency_rejections = Counter(
+            "mci_router:residency_rejections",
+            "Replicas left out of a routing decision by the request's residency",
+            ["reason"],  # region | pool: bounded, whatever the tenants and labels
+            registry=r,
+        )
+        for reason in REASONS:  # shown (as 0) before the first rejection
+            self.residency_rejections.labels(reason)
         r.register(_PoolCollector(pool))
 
     def render(self) -> bytes:

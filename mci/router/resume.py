@@ -83,10 +83,11 @@ class StreamRelay:
         return json.dumps(body).encode()
 
     async def run(
-        self, router, path, key, headers, worker, upstream, span=None
+        self, router, path, key, headers, worker, upstream, span=None, *, residency
     ) -> AsyncIterator[bytes]:
         """The client's stream over replicas in turn; each hop is sent with `headers` (the
-        request's `span` as its traceparent), and `span` counts the resumes."""
+        request's `span` as its traceparent), and `span` counts the resumes. A resumed hop
+        goes only where the request's `residency` allows, as its first one did."""
         resumes = 0
         while True:
             broken = None
@@ -109,7 +110,9 @@ class StreamRelay:
             if resumes < MAX_RESUMES and self.resumable:
                 # nothing generated yet: a plain retry is exact
                 body = self.resume_body() if self.token_ids else self.first_body()
-                opened = await router.open(path, body, key, headers, {worker.url}, span)
+                opened = await router.open(
+                    path, body, key, headers, {worker.url}, span, residency=residency
+                )
                 if isinstance(opened, tuple) and opened[1].status_code != 200:
                     failed_worker, failed = opened
                     await failed.aclose()

@@ -5,7 +5,9 @@ A worker is *available* while it is healthy and its breaker is closed. The break
 the first byte) and stays open for `breaker_cooldown_s`; then one health check decides
 (half-open): passing closes it (the worker is re-admitted), failing keeps it out. Health checks
 (`GET /health`) also take a worker out when it turns 503 (draining, reloading its engine) and
-put it back when it recovers.
+put it back when it recovers. A passing health check also reads the worker's labels
+(`GET /server_info`: region, pool) for the residency rule (mci/tenancy/residency.py), so a
+replica is only ever re-admitted with the labels it has now.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from mci.router.prefix_tree import PrefixTree
+from mci.tenancy.residency import Labels
 
 
 @dataclass
@@ -29,6 +32,7 @@ class Worker:
     matched_chars: int = 0  # ... that its tree had (the estimated cache hits)
     ejections: int = 0
     readmissions: int = 0
+    labels: Labels = field(default_factory=Labels)  # none until its /server_info is read
 
     @property
     def estimated_cache_hit_rate(self) -> float:

@@ -16,7 +16,10 @@ class SchedulerConfig:
     max_prefill_tokens: int = option(8192, "most prompt tokens computed in one step")
     chunked_prefill_size: int = option(2048, "most tokens of one prompt per step; -1 disables")
     schedule_policy: str = option(
-        "lpm", "admission order: lpm (longest cached prefix first) or fcfs", ["lpm", "fcfs"]
+        "lpm",
+        "admission order: lpm (longest cached prefix first), fcfs, or fair (tenants by their "
+        "weighted service so far: the Virtual Token Counter; docs/tenancy.md)",
+        ["lpm", "fcfs", "fair"],
     )
     decode_reserve_tokens: int = option(16, "KV tokens kept free per running request at admission")
     enable_jump_forward: bool = option(

@@ -26,6 +26,7 @@ from mci.core.batch import SampleResult, ScheduledBatch, ScheduledItem
 from mci.core.outputs import QUEUE_TIMEOUT, REQUEST_TIMEOUT, RequestOutput
 from mci.core.request import Request, RequestStatus
 from mci.scheduler.config import SchedulerConfig
+from mci.scheduler.fair_share import VirtualTokenCounter
 from mci.scheduler.output_processor import OutputProcessor
 
 log = logging.getLogger("mci")
@@ -53,6 +54,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.counters: Counter[str] = Counter()  # transitions and token counts, for metrics
+        self.fair = VirtualTokenCounter()  # kept under every policy; `fair` orders by it
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> RequestOutput | None:
@@ -65,8 +67,13 @@ class Scheduler:
                 f"request needs {req.max_total_tokens} KV tokens; the pool "
                 f"holds {self.kv.pool.num_slots}",
             )
+        self.fair.arrive(req.share.tenant, req.share.weight, self.active_tenants())
         self.waiting.append(req)
         return None
+
+    def active_tenants(self) -> set[str]:
+        """Tenants with a request waiting or running."""
+        return {r.share.tenant for queue in (self.waiting, self.running) for r in queue}
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         for queue in (self.running, self.waiting):
@@ -91,29 +98,51 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = _Budget(self.config.max_prefill_tokens)
         chunk = self.config.chunk_limit or 1 << 62
+        later = []  # fair: prefills of tenants served more than one now waiting
+        floor = self._waiting_floor()
         for req in sorted(self.running, key=self._rank):
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = req.num_uncomputed
-            prefilling = n > 1  # prompt work takes from the budget; a decode token does not
-            drafts = () if prefilling else self._drafts_to_verify(req)
-            if prefilling:
-                n = min(n, chunk, budget.left)
-                if n <= 0:
-                    continue
-            if not self._allocate_or_preempt(req, n + len(drafts), batch, budget):
+            if req.num_uncomputed > 1 and self.fair.counter(req.share.tenant) > floor:
+                later.append(req)  # the less-served waiting tenant's prompt goes first
                 continue
-            batch.items.append(ScheduledItem.plan(req, n + len(drafts), drafts))
-            if prefilling:
-                budget.charge(req, n)
+            self._plan_running(req, batch, budget, chunk)
         self._admit(batch, budget, chunk)
+        for req in later:
+            self._plan_running(req, batch, budget, chunk)
         return batch
+
+    def _waiting_floor(self) -> float:
+        """Under fair, the lowest counter of a tenant with a request waiting (a running
+        prefill of a tenant above it takes the step's prefill budget only after admission);
+        otherwise infinity (running requests first, as always)."""
+        if self.config.schedule_policy != "fair" or not self.waiting:
+            return float("inf")
+        return min(self.fair.counter(r.share.tenant) for r in self.waiting)
+
+    def _plan_running(
+        self, req: Request, batch: ScheduledBatch, budget: _Budget, chunk: int
+    ) -> None:
+        """A running request's next work: one decode token (and drafts to verify), or the next
+        chunk of its prompt within the step's prefill budget."""
+        if req.status is not RequestStatus.RUNNING:
+            return  # preempted earlier in this step
+        n = req.num_uncomputed
+        prefilling = n > 1  # prompt work takes from the budget; a decode token does not
+        drafts = () if prefilling else self._drafts_to_verify(req)
+        if prefilling:
+            n = min(n, chunk, budget.left)
+            if n <= 0:
+                return
+        if not self._allocate_or_preempt(req, n + len(drafts), batch, budget):
+            return
+        self._plan(batch, req, n + len(drafts), drafts)
+        if prefilling:
+            budget.charge(req, n)
 
     def _allocate_or_preempt(
         self, req: Request, n: int, batch: ScheduledBatch, budget: _Budget
     ) -> bool:
         while not self.kv.allocate(req, n):
-            victim = max(self.running, key=self._rank)
+            victim = max(self.running, key=self._rank)  # under fair: the most served tenant's
             self._preempt(victim, batch, budget)
             if victim is req:
                 return False
@@ -127,6 +156,8 @@ class Scheduler:
                 break
             if req.grammar is not None and not _grammar_ready(req):
                 continue  # still compiling: the others go ahead
+            if self._tenant_at_cap(req):
+                continue  # its tenant runs its most at once: the others go ahead
             self.kv.match(req)
             if self._shares_prefill_in_flight(req, prefilling):
                 self.kv.release(req)
@@ -149,7 +180,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            batch.items.append(ScheduledItem.plan(req, n))
+            self._plan(batch, req, n)
             budget.charge(req, n)
             prefilling.append(req)
 
@@ -211,12 +242,29 @@ class Scheduler:
         self.running.remove(req)
 
     # ---- policy helpers -----------------------------------------------------------------------
-    @staticmethod
-    def _rank(req: Request) -> tuple[int, int]:
-        """Smaller runs first: priority, then arrival (so max() is the preemption victim)."""
+    def _plan(self, batch: ScheduledBatch, req: Request, n: int, drafts=()) -> None:
+        """Add a request's work to the step, and charge its tenant for it: prompt tokens as
+        input, the rest (the token to sample from, drafts to verify) as output."""
+        batch.items.append(ScheduledItem.plan(req, n, drafts))
+        prompt = max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
+        self.fair.charge(req.share.tenant, prompt, n - prompt)
+
+    def _rank(self, req: Request) -> tuple:
+        """Smaller runs first: priority, then (fair) the tenant's counter, then arrival; so
+        max() is the preemption victim: the lowest class, the most served tenant, the newest."""
+        if self.config.schedule_policy == "fair":
+            return (req.priority, self.fair.counter(req.share.tenant), req.arrival_seq)
         return (req.priority, req.arrival_seq)
 
-    def _admission_order(self) -> list[Request]:
+    def _tenant_at_cap(self, req: Request) -> bool:
+        cap = req.share.max_running
+        if cap is None:
+            return False
+        return sum(r.share.tenant == req.share.tenant for r in self.running) >= cap
+
+    def _admission_order(self):
+        if self.config.schedule_policy == "fair":
+            return self._fair_order()
         if (
             self.config.schedule_policy == "lpm"
             and self.kv.radix is not None
@@ -236,6 +284,15 @@ class Scheduler:
 
             return sorted(self.waiting, key=order)
         return sorted(self.waiting, key=self._rank)
+
+    def _fair_order(self):
+        """The waiting requests, each time the best by (priority, its tenant's counter as it
+        stands now, arrival): admitting one charges its tenant, which may change the next."""
+        left = list(self.waiting)
+        while left:
+            best = min(left, key=self._rank)
+            left.remove(best)
+            yield best
 
     def _shares_prefill_in_flight(self, req: Request, prefilling: list[Request]) -> bool:
         """True when another request is computing a long stretch of this prompt right now

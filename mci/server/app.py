@@ -50,6 +50,7 @@ from mci.server.streaming import (
 )
 from mci.server.submission import Submission
 from mci.server.tool_calls import plan_tools
+from mci.tenancy.tenants import Tenant
 
 log = logging.getLogger("mci")
 
@@ -65,7 +66,43 @@ def _check_model(state: ServerState, model: str | None) -> None:
         )
 
 
-def _admit(state: ServerState, num_samples: int) -> None:
+def _admit(state: ServerState, request: Request, num_samples: int, prompt_tokens: int) -> Tenant:
+    """The request's tenant, once its tenant's quotas and then the server's bounds admit it
+    (403 for a model the tenant may not use, 429 over a quota: Retry-After from the tenant's
+    own budget; the server's own bound is the last line)."""
+    tenant = request.state.tenant
+    if not tenant.allows_model(state.model_name):
+        raise HTTPError(
+            403,
+            f"tenant {tenant.name} may not use model {state.model_name!r}",
+            "permission_error",
+            "model",
+            "model_not_allowed",
+        )
+    if state.draining or not state.engine.ready:
+        _admit_server(state, num_samples)  # 503s before any quota is taken
+    refusal = state.quotas.admit(tenant, num_samples, prompt_tokens)
+    if refusal is not None:
+        state.metrics.rejected.inc()
+        state.metrics.tenants.rejected.labels(tenant=tenant.name, reason=refusal.reason).inc()
+        raise HTTPError(
+            429,
+            refusal.message,
+            "rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(refusal.retry_after_s)},
+        )
+    try:
+        _admit_server(state, num_samples)
+    except HTTPError:
+        for _ in range(num_samples):
+            state.quotas.finished(tenant.name, started=False)
+        state.metrics.tenants.rejected.labels(tenant=tenant.name, reason="server").inc()
+        raise
+    return tenant
+
+
+def _admit_server(state: ServerState, num_samples: int) -> None:
     if state.draining:
         state.metrics.rejected.inc()
         raise HTTPError(503, "server is shutting down", "service_unavailable")
@@ -158,7 +195,7 @@ def build_app(state: ServerState) -> FastAPI:
         description="OpenAI-compatible API of mci (mission-critical inference)",
     )
     app.state.mci = state
-    app.add_middleware(GuardMiddleware, config=state.config)
+    app.add_middleware(GuardMiddleware, config=state.config, tenants=lambda: state.tenants)
     install_error_handlers(app)
     _document_400_not_422(app)
 
@@ -219,6 +256,11 @@ def build_app(state: ServerState) -> FastAPI:
         """Prometheus metrics (vLLM's names with an `mci:` prefix)."""
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/server_info", include_in_schema=False)
+    async def server_info():
+        """This replica's labels and model: what the router's residency rule reads."""
+        return {"region": state.config.region, "pool": state.config.pool, "model": state.model_name}
+
     @app.get("/internal/state", include_in_schema=False)
     async def internal_state():
         """Engine stats and a live KV integrity check (operators and tests)."""
@@ -229,6 +271,7 @@ def build_app(state: ServerState) -> FastAPI:
             "in_flight": state.engine.num_in_flight,
             "engine_pid": state.engine.process.pid,
             "front_end": {"pid": os.getpid(), "memory": state.memory()},
+            "tenant_quotas": state.quotas.snapshot(),  # the engine's "tenants": their shares
         }
 
     def model_card() -> dict:
@@ -273,10 +316,11 @@ def build_app(state: ServerState) -> FastAPI:
             resume = requests.resume_of(body, len(prompts))
             if resume is not None:
                 state.front.check_resume(params, resume)
-        _admit(state, len(prompts) * params.n)
+        tenant = _admit(state, request, len(prompts) * params.n, _tokens(got.computed, params))
         rid = new_request_id("cmpl")
         trace = _trace_parent(state, request)
-        sub = Submission(state, rid, got.computed, got.params, body.priority or 0, resume, trace)
+        priority = _priority(body.priority, tenant)
+        sub = Submission(state, rid, got.computed, got.params, priority, resume, trace, tenant)
         ctx = StreamContext(
             state,
             sub,
@@ -311,10 +355,11 @@ def build_app(state: ServerState) -> FastAPI:
             resume = requests.resume_of(body, 1)
             if resume is not None:
                 state.front.check_resume(params, resume)
-        _admit(state, params.n)
+        tenant = _admit(state, request, params.n, _tokens([ids], params))
         rid = new_request_id("chatcmpl")
         trace = _trace_parent(state, request)
-        sub = Submission(state, rid, [ids], params, body.priority or 0, resume, trace)
+        priority = _priority(body.priority, tenant)
+        sub = Submission(state, rid, [ids], params, priority, resume, trace, tenant)
         if body.stream:
             ctx = StreamContext(
                 state,
@@ -351,10 +396,11 @@ def build_app(state: ServerState) -> FastAPI:
         got = _prompt_ids(state, prompts, params, requests.NATIVE_NAMES, heal)
         encoded = got.ids  # as given (prompt lengths in the responses)
         await _check_constraints(state, got.params, requests.NATIVE_NAMES)
-        _admit(state, len(prompts) * params.n)
+        tenant = _admit(state, request, len(prompts) * params.n, _tokens(got.computed, params))
         rid = new_request_id("gen")
         trace = _trace_parent(state, request)
-        sub = Submission(state, rid, got.computed, got.params, body.priority or 0, trace=trace)
+        priority = _priority(body.priority, tenant)
+        sub = Submission(state, rid, got.computed, got.params, priority, trace=trace, tenant=tenant)
         if body.stream:
             ctx = StreamContext(state, sub, rid, list(zip(prompts, encoded)), params)
             return await streaming_response(stream_native(ctx), ctx, request)
@@ -396,6 +442,16 @@ def _document_400_not_422(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def _tokens(prompts: list[list[int]], params: SamplingParams) -> int:
+    """Prompt tokens a request puts through the engine (each sample's prompt counts)."""
+    return sum(len(ids) for ids in prompts) * params.n
+
+
+def _priority(asked: int | None, tenant: Tenant) -> int:
+    """A request's own priority, else its tenant's (the outer class before fairness)."""
+    return tenant.priority if asked is None else asked
 
 
 def _trace_parent(state: ServerState, request: Request) -> Context | None:

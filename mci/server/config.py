@@ -19,6 +19,21 @@ class ServerConfig:
     api_key: str | None = option(
         None, "require 'Authorization: Bearer KEY' on the API", secret=True
     )
+    tenants: str | None = option(
+        None,
+        "tenants file (JSON or YAML; docs/tenancy.md): API keys -> tenants with weights, "
+        "quotas, models and regions; reloaded on SIGHUP (replaces --api-key)",
+    )
+    region: str | None = option(
+        None,
+        "this replica's region label (reported at /server_info): the router sends a tenant "
+        "pinned to regions only to replicas labelled with one of them",
+    )
+    pool: str | None = option(
+        None,
+        "this replica's pool label (reported at /server_info): a tenant with pools is served "
+        "only by replicas of those pools (dedicated capacity)",
+    )
     context_length: int | None = option(None, "max prompt + output tokens (default: the model's)")
     max_queued_requests: int = option(256, "requests waiting beyond the running batch before 429")
     request_timeout: float | None = option(None, "seconds before a request is aborted")
@@ -75,6 +90,10 @@ class ServerConfig:
                 "--context-length must be >= 1",
             ),
             (self.max_queued_requests < 0, "--max-queued-requests must be >= 0"),
+            (
+                self.tenants is not None and self.api_key is not None,
+                "--tenants replaces --api-key: give the key to a tenant in the file",
+            ),
             (
                 self.request_timeout is not None and not self.request_timeout > 0,
                 "--request-timeout must be > 0",

@@ -1,38 +1,52 @@
-"""ASGI guard in front of every route: request size limit (413) and API key (401)."""
+"""ASGI guard in front of every route: request size limit (413) and API key (401): the key
+names the request's tenant (mci/tenancy/tenants.py), which the handlers find in
+`request.state.tenant`."""
 
 from __future__ import annotations
 
-import hmac
 import json
+from collections.abc import Callable
 
 from mci.errors import error_body
 from mci.server.config import ServerConfig
 from mci.server.errors import HTTPError
+from mci.tenancy.tenants import TenantTable, bearer_token
 
-# probes and the API's own description need no API key
-OPEN_PATHS = ("/health", "/health_generate", "/metrics", "/openapi.json", "/docs", "/redoc")
+# probes, the replica's labels (the router's health checks) and the API's own description
+# need no API key
+OPEN_PATHS = (
+    "/health",
+    "/health_generate",
+    "/metrics",
+    "/server_info",
+    "/openapi.json",
+    "/docs",
+    "/redoc",
+)
 
 
 class GuardMiddleware:
-    """ASGI middleware: 413 for bodies over the limit, 401 without the right API key."""
+    """ASGI middleware: 413 for bodies over the limit, 401 for a key that is no tenant's.
+    `tenants` gives the current table (a SIGHUP may replace it)."""
 
-    def __init__(self, app, config: ServerConfig):
-        self.app, self.config = app, config
+    def __init__(self, app, config: ServerConfig, tenants: Callable[[], TenantTable]):
+        self.app, self.config, self.tenants = app, config, tenants
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.config.api_key and not scope["path"].startswith(OPEN_PATHS):
+        if not scope["path"].startswith(OPEN_PATHS):
             auth = headers.get(b"authorization", b"").decode("latin-1")
-            given = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), self.config.api_key.encode()):
+            tenant = self.tenants().resolve(bearer_token(auth))
+            if tenant is None:
                 return await self._reply(
                     send,
                     HTTPError(
                         401, "invalid API key", "authentication_error", code="invalid_api_key"
                     ),
                 )
+            scope.setdefault("state", {})["tenant"] = tenant
         limit = self.config.max_request_bytes
         too_large = HTTPError(
             413,

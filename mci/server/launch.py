@@ -104,6 +104,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         lifespan="off",
     )
     server = DrainingServer(uv, state)
+    signal.signal(signal.SIGHUP, lambda *_: state.reload_tenants())
     freeze_startup_objects()
     log.info(
         "serving on http://%s:%d (OpenAI API under /v1)", server_config.host, server_config.port

@@ -98,12 +98,42 @@ class ServerMetrics:
         }
         for name, (doc, key) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda k=key: float(self._stats().get(k, 0)))
+        self.tenants = TenantMetrics(r)
         r.register(_SpecDecodeCollector(stats))
         r.register(_RestartCollector(restarts, hangs))
         r.register(_MemoryCollector(stats, front_memory))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class TenantMetrics:
+    """Per-tenant series (`tenant` label): the label's values are the tenants file's names, so
+    the series are bounded by the file, never by request data."""
+
+    def __init__(self, r: CollectorRegistry):
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+
+        self.requests = Counter(
+            "mci:tenant_requests", "Finished requests", ["tenant", "finished_reason"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "mci:tenant_prompt_tokens", "Prompt tokens admitted", ["tenant"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "mci:tenant_generation_tokens", "Tokens generated", ["tenant"], registry=r
+        )
+        self.rejected = Counter(
+            "mci:tenant_requests_rejected",
+            "Requests refused: over a tenant quota (queue, input_tokens, output_tokens) or "
+            "the server's bound (server)",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.queue = histogram("mci:tenant_request_queue_time_seconds", "Time before scheduled")
+        self.ttft = histogram("mci:tenant_time_to_first_token_seconds", "Time to first token")
+        self.tpot = histogram("mci:tenant_time_per_output_token_seconds", "Time between tokens")
 
 
 class _RestartCollector:

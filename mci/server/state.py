@@ -4,7 +4,9 @@ tracing, the drain flag. One per server; built by `mci serve` (launch.py) and ha
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mci.engine.request_front import RequestFront
 from mci.grammar.cache import xgrammar_cache
@@ -15,8 +17,12 @@ from mci.server.engine_supervisor import EngineSupervisor
 from mci.server.metrics import ServerMetrics
 from mci.server.reasoning import END as THINK_END
 from mci.server.tool_formats import DeepSeekV3Markup, JsonEnvelope, tool_format_for
+from mci.tenancy.quotas import TenantQuotas
+from mci.tenancy.tenants import TenantTable
 from mci.tokenizer import TextTokenizer
 from mci.tracing import Tracing
+
+log = logging.getLogger("mci")
 
 
 @dataclass
@@ -34,6 +40,8 @@ class ServerState:
     tool_format: JsonEnvelope | DeepSeekV3Markup = field(init=False)
     think_end_id: int | None = field(init=False)  # `</think>`, if an added (whole) token
     tracing: Tracing = field(init=False)  # --otlp-traces-endpoint (a no-op tracer without)
+    tenants: TenantTable = field(init=False)  # --tenants FILE, or the one tenant of --api-key
+    quotas: TenantQuotas = field(default_factory=TenantQuotas)
     draining: bool = False
     memory_gauge: MemoryGauge = field(default_factory=MemoryGauge)
 
@@ -52,6 +60,22 @@ class ServerState:
         added = self.tokenizer.backend.get_added_tokens_decoder().items()
         self.think_end_id = next((i for i, t in added if t.content == THINK_END), None)
         self.tracing = Tracing(self.config.otlp_traces_endpoint, "mci-serve")
+        if self.config.tenants:
+            self.tenants = TenantTable.load(Path(self.config.tenants))
+        else:
+            self.tenants = TenantTable.single(self.config.api_key)
+
+    def reload_tenants(self) -> None:
+        """SIGHUP: read the tenants file again. Requests in flight keep the tenant they were
+        admitted as; a broken file keeps the old table (one log line, no keys in it)."""
+        if not self.config.tenants:
+            return
+        try:
+            self.tenants = TenantTable.load(Path(self.config.tenants))
+        except Exception as exc:  # noqa: BLE001 - any problem with the file keeps the old
+            log.error("tenants file not reloaded, the old one stays: %s", exc)
+            return
+        log.info("tenants file reloaded: %d tenants", len(self.tenants.tenants))
 
     def memory(self) -> dict:
         """The front end's RSS and heap, and its caches (the grammar cache of its 400s)."""

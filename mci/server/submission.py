@@ -12,13 +12,14 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from mci.core.outputs import QUEUE_TIMEOUT, REQUEST_TIMEOUT, RequestOutput
-from mci.core.request import Resume
+from mci.core.request import Resume, TenantShare
 from mci.core.request_ids import prompt_request_id
 from mci.core.sampling_params import SamplingParams
 from mci.engine.commands import AddRequest
 from mci.server.engine_supervisor import EngineDied
 from mci.server.errors import RETRY_AFTER_S, HTTPError
 from mci.server.state import ServerState
+from mci.tenancy.tenants import DEFAULT_TENANT, Tenant
 from mci.tracing import context_with_span, wall_ns
 
 
@@ -46,13 +47,22 @@ class Submission:
         priority: int,
         resume: Resume | None = None,
         trace: Context | None = None,
+        tenant: Tenant | None = None,
     ):
         """`params`: for every prompt, or one each (token healing makes them differ).
         `trace`: the parent of the samples' spans (the request's traceparent; an empty
-        context starts a trace), None for no spans (tracing off, health probes)."""
+        context starts a trace), None for no spans (tracing off, health probes).
+        `tenant`: whose it is, admitted against its quotas (None: a health probe's)."""
         self.state = state
         self.rid = rid
         self.trace = trace
+        self.tenant = tenant
+        self.tenant_name = tenant.name if tenant else DEFAULT_TENANT
+        share = (
+            TenantShare(tenant.name, tenant.weight, tenant.max_running_requests)
+            if tenant
+            else TenantShare()
+        )
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.index: dict[str, int] = {}
         self.trackers: dict[str, _Tracker] = {}
@@ -64,15 +74,26 @@ class Submission:
         try:
             for k, (ids, p) in enumerate(zip(prompts, per_prompt, strict=True)):
                 command = AddRequest(
-                    prompt_request_id(rid, k), ids, p, priority, timeout, resume, queue_timeout
+                    prompt_request_id(rid, k),
+                    ids,
+                    p,
+                    priority,
+                    timeout,
+                    resume,
+                    queue_timeout,
+                    share,
                 )
                 for sid, _ in state.engine.submit(command, queue=self.queue):
                     self.index[sid] = len(self.index)
                     self.trackers[sid] = _Tracker(len(ids))
                     self.remaining.add(sid)
                 state.metrics.prompt_tokens.inc(len(ids))
+                state.metrics.tenants.prompt_tokens.labels(self.tenant_name).inc(len(ids) * p.n)
         except EngineDied:
             self.abort()
+            if tenant is not None:  # the samples never submitted leave the tenant's queue too
+                for _ in range(sum(p.n for p in per_prompt) - len(self.trackers)):
+                    state.quotas.finished(tenant.name, started=False)
             raise HTTPError(503, "engine is not running", "service_unavailable") from None
 
     async def next(self) -> RequestOutput:
@@ -111,20 +132,33 @@ class Submission:
         now = time.monotonic()
         if tracker.queue_time_s is None:
             tracker.queue_time_s = out.queue_time_s
+        t = m.tenants
         if out.new_token_ids:
-            m.generation_tokens.inc(len(out.new_token_ids))
-            tracker.output_tokens += len(out.new_token_ids)
+            n = len(out.new_token_ids)
+            m.generation_tokens.inc(n)
+            t.generation_tokens.labels(self.tenant_name).inc(n)
+            tracker.output_tokens += n
             if tracker.last_token is None:
                 tracker.first_token = now
                 m.ttft.observe(now - tracker.start)
+                t.ttft.labels(self.tenant_name).observe(now - tracker.start)
                 if out.queue_time_s is not None:
                     m.queue.observe(out.queue_time_s)
+                    t.queue.labels(self.tenant_name).observe(out.queue_time_s)
+                if self.tenant is not None:
+                    self.state.quotas.started(self.tenant_name)
             else:
-                m.itl.observe((now - tracker.last_token) / len(out.new_token_ids))
+                m.itl.observe((now - tracker.last_token) / n)
+                t.tpot.labels(self.tenant_name).observe((now - tracker.last_token) / n)
+            if self.tenant is not None:
+                self.state.quotas.generated(self.tenant_name, n)
             tracker.last_token = now
         if out.finished:
             self.remaining.discard(out.request_id)
             m.e2e.observe(now - tracker.start)
+            if self.tenant is not None:
+                self.state.quotas.finished(self.tenant_name, tracker.first_token is not None)
+            t.requests.labels(self.tenant_name, out.finish_reason or "abort").inc()
             if out.finish_reason == "abort":
                 m.aborted.inc()
             else:
@@ -138,6 +172,9 @@ class Submission:
         for sid in list(self.remaining):
             self.state.engine.abort(sid)
             tracker, now = self.trackers.pop(sid), time.monotonic()
+            if self.tenant is not None:
+                self.state.quotas.finished(self.tenant_name, tracker.first_token is not None)
+            self.state.metrics.tenants.requests.labels(self.tenant_name, "abort").inc()
             self.state.metrics.aborted.inc()
             self.state.metrics.e2e.observe(now - tracker.start)
             if self.trace is not None:
