@@ -20,6 +20,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(count: int) -> int:
+    """A free port whose next `count - 1` ports are free too (`--dp-size N` puts its replicas
+    on the ports after --port; any one of them may be another socket's, e.g. a client's)."""
+    for _ in range(200):
+        base = free_port()
+        if all(_bindable(base + i) for i in range(1, count)):
+            return base
+    raise RuntimeError(f"no run of {count} free ports")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 class LiveServer:
     """`mci serve` (or another serving command: `mci router`, or words of one such as
     ("workflow", "serve", "FILE:ENTRY")) in a subprocess, with `env` added to its

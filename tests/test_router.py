@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import LiveServer
+from server_helpers import LiveServer, free_port_run
 
 from mci.router.policy import CacheAware, RoundRobin
 from mci.router.prefix_tree import PrefixTree
@@ -221,7 +221,10 @@ def test_serve_dp_size_starts_replicas_behind_the_router(checkpoint):
     replicas serve; SIGTERM stops all of them."""
     import openai
 
-    with LiveServer(checkpoint(), "--served-model-name", "m", "--dp-size", "2") as server:
+    port = free_port_run(3)  # the router's, then the replicas'
+    with LiveServer(
+        checkpoint(), "--served-model-name", "m", "--dp-size", "2", port=port
+    ) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         for i in range(4):
             client.completions.create(model="m", prompt=f"# file {i}\n" * 20, max_tokens=2)
