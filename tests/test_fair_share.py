@@ -106,6 +106,7 @@ def test_fcfs_lets_a_flood_take_the_queue_and_fair_does_not(tokenizer):
                 if item.request.request_id not in order:
                     order.append(item.request.request_id)
             s.update(batch, runner.execute(batch))
+        assert s.active_tenants() == set()  # every request left: none counted as still queued
         return order
 
     fcfs, fair = admitted_order("fcfs"), admitted_order("fair")

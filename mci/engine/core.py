@@ -218,7 +218,6 @@ class EngineCore:
             "heap_trims": self.free_memory.trims if self.free_memory else 0,
             "caches": self.cache_sizes(),
             "memory_plan_bytes": self.memory_plan.total_bytes if self.memory_plan else 0,
-            "tenants": self.tenant_stats(),
         }
 
     def tenant_stats(self) -> dict:
@@ -265,6 +264,7 @@ class EngineCore:
         except AssertionError as exc:
             state["integrity_ok"] = False
             state["integrity_error"] = str(exc)
+        state["tenants"] = self.tenant_stats()  # here, not in stats(): that runs every step
         if self.memory_plan is not None:
             state["memory_plan"] = self.memory_plan.as_dict()
         top = python_top()

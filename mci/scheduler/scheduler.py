@@ -55,6 +55,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.counters: Counter[str] = Counter()  # transitions and token counts, for metrics
         self.fair = VirtualTokenCounter()  # kept under every policy; `fair` orders by it
+        # requests waiting or running, per tenant: kept as they come and go, so that an
+        # arrival does not scan both queues
+        self._in_queues: Counter[str] = Counter()
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> RequestOutput | None:
@@ -69,11 +72,18 @@ class Scheduler:
             )
         self.fair.arrive(req.share.tenant, req.share.weight, self.active_tenants())
         self.waiting.append(req)
+        self._in_queues[req.share.tenant] += 1
         return None
 
     def active_tenants(self) -> set[str]:
         """Tenants with a request waiting or running."""
-        return {r.share.tenant for queue in (self.waiting, self.running) for r in queue}
+        return set(self._in_queues)
+
+    def _left_queues(self, req: Request) -> None:
+        tenant = req.share.tenant
+        self._in_queues[tenant] -= 1
+        if self._in_queues[tenant] <= 0:
+            del self._in_queues[tenant]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         for queue in (self.running, self.waiting):
@@ -240,6 +250,7 @@ class Scheduler:
         self.counters[f"finished_{req.finish_reason}"] += 1
         self.kv.release(req)
         self.running.remove(req)
+        self._left_queues(req)
 
     # ---- policy helpers -----------------------------------------------------------------------
     def _plan(self, batch: ScheduledBatch, req: Request, n: int, drafts=()) -> None:
@@ -322,8 +333,10 @@ class Scheduler:
     def _abort(self, req: Request, error: str | None) -> RequestOutput:
         if req in self.running:
             self.running.remove(req)
+            self._left_queues(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self._left_queues(req)
         self.kv.release(req)
         self.counters["aborted"] += 1
         return self.output_processor.on_abort(req, error)

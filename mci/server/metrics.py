@@ -8,6 +8,7 @@ read at scrape time.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -134,6 +135,35 @@ class TenantMetrics:
         self.queue = histogram("mci:tenant_request_queue_time_seconds", "Time before scheduled")
         self.ttft = histogram("mci:tenant_time_to_first_token_seconds", "Time to first token")
         self.tpot = histogram("mci:tenant_time_per_output_token_seconds", "Time between tokens")
+        self._series: dict[str, TenantSeries] = {}
+
+    def of(self, tenant: str) -> TenantSeries:
+        """One tenant's children of the per-token series (a label lookup costs more than the
+        observation: a submission takes them once)."""
+        series = self._series.get(tenant)
+        if series is None:
+            series = self._series[tenant] = TenantSeries(
+                *(
+                    m.labels(tenant)
+                    for m in (
+                        self.prompt_tokens,
+                        self.generation_tokens,
+                        self.queue,
+                        self.ttft,
+                        self.tpot,
+                    )
+                )
+            )
+        return series
+
+
+@dataclass(frozen=True)
+class TenantSeries:
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    queue: Histogram
+    ttft: Histogram
+    tpot: Histogram
 
 
 class _RestartCollector:

@@ -58,6 +58,10 @@ class Submission:
         self.trace = trace
         self.tenant = tenant
         self.tenant_name = tenant.name if tenant else DEFAULT_TENANT
+        # the tenant's series, looked up once: outputs arrive per token
+        self.series = state.metrics.tenants.of(self.tenant_name)
+        # output tokens are counted against a budget only where the tenant has one
+        self.charges_output = tenant is not None and tenant.output_tokens_per_minute is not None
         share = (
             TenantShare(tenant.name, tenant.weight, tenant.max_running_requests)
             if tenant
@@ -88,7 +92,7 @@ class Submission:
                     self.trackers[sid] = _Tracker(len(ids))
                     self.remaining.add(sid)
                 state.metrics.prompt_tokens.inc(len(ids))
-                state.metrics.tenants.prompt_tokens.labels(self.tenant_name).inc(len(ids) * p.n)
+                self.series.prompt_tokens.inc(len(ids) * p.n)
         except EngineDied:
             self.abort()
             if tenant is not None:  # the samples never submitted leave the tenant's queue too
@@ -132,25 +136,25 @@ class Submission:
         now = time.monotonic()
         if tracker.queue_time_s is None:
             tracker.queue_time_s = out.queue_time_s
-        t = m.tenants
+        t = self.series
         if out.new_token_ids:
             n = len(out.new_token_ids)
             m.generation_tokens.inc(n)
-            t.generation_tokens.labels(self.tenant_name).inc(n)
+            t.generation_tokens.inc(n)
             tracker.output_tokens += n
             if tracker.last_token is None:
                 tracker.first_token = now
                 m.ttft.observe(now - tracker.start)
-                t.ttft.labels(self.tenant_name).observe(now - tracker.start)
+                t.ttft.observe(now - tracker.start)
                 if out.queue_time_s is not None:
                     m.queue.observe(out.queue_time_s)
-                    t.queue.labels(self.tenant_name).observe(out.queue_time_s)
+                    t.queue.observe(out.queue_time_s)
                 if self.tenant is not None:
                     self.state.quotas.started(self.tenant_name)
             else:
                 m.itl.observe((now - tracker.last_token) / n)
-                t.tpot.labels(self.tenant_name).observe((now - tracker.last_token) / n)
-            if self.tenant is not None:
+                t.tpot.observe((now - tracker.last_token) / n)
+            if self.charges_output:
                 self.state.quotas.generated(self.tenant_name, n)
             tracker.last_token = now
         if out.finished:
@@ -158,7 +162,7 @@ class Submission:
             m.e2e.observe(now - tracker.start)
             if self.tenant is not None:
                 self.state.quotas.finished(self.tenant_name, tracker.first_token is not None)
-            t.requests.labels(self.tenant_name, out.finish_reason or "abort").inc()
+            m.tenants.requests.labels(self.tenant_name, out.finish_reason or "abort").inc()
             if out.finish_reason == "abort":
                 m.aborted.inc()
             else:
