@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
+from mci.layers.linear import bf16_matmuls_supported
+
+# --deterministic needs oneDNN's bf16 matmuls (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); on a CPU
+# without them the engine refuses the mode (tested), and its bit-exactness tests cannot run
+needs_bf16_matmuls = pytest.mark.skipif(
+    not bf16_matmuls_supported(), reason="this CPU runs no oneDNN bf16 matmuls"
+)
 
 
 def prefill_logits(model, ids: list[int], path: str = "auto") -> torch.Tensor:

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 from engine_helpers import drive
+from helpers import needs_bf16_matmuls
 
 from mci.cache.config import CacheConfig
 from mci.core.request import Request
@@ -17,6 +18,7 @@ from mci.engine.builder import build_engine_core
 from mci.engine.config import EngineConfig, ModelPlacement
 from mci.errors import UserError
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
+from mci.layers.linear import bf16_matmuls_supported
 from mci.models.loader import load_model
 from mci.scheduler.config import SchedulerConfig
 from mci.tokenizer import TextTokenizer
@@ -24,6 +26,8 @@ from mci.tokenizer import TextTokenizer
 
 @pytest.fixture(scope="module", params=["bf16", "fp8"])
 def bf16(checkpoint, request):
+    if not bf16_matmuls_supported():
+        pytest.skip("this CPU runs no oneDNN bf16 matmuls (--deterministic needs them)")
     """A bf16 model in batch-invariant mode (its own object: the mode belongs to the model),
     with bf16 weights or FP8 ones (on the CPU kernels: one order of sums at every row count)."""
     path = checkpoint(dtype="bfloat16", fp8=request.param == "fp8")
@@ -205,6 +209,7 @@ def _served_outputs(server, prompts, concurrent: bool) -> list:
         return list(pool.map(complete, range(len(prompts))))
 
 
+@needs_bf16_matmuls
 def test_served_outputs_identical_across_schedules(checkpoint):
     from server_helpers import LiveServer
 

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import torch
-from helpers import prefill_logits, stepwise_logits
+from helpers import needs_bf16_matmuls, prefill_logits, stepwise_logits
 
 from mci.models.loader import load_model
 
 
+@needs_bf16_matmuls
 def test_packed_model_gives_identical_logits(checkpoint):
     model = load_model(checkpoint(dtype="bfloat16"), "bfloat16")
     ids = torch.randint(0, 2048, (37,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -42,6 +43,7 @@ def test_bucket_rows_bounds_the_shapes_and_the_padding():
         assert b == m if m <= 16 else b - m < 16 if m <= 256 else b <= m * 1.125
 
 
+@needs_bf16_matmuls
 def test_padded_rows_do_not_change_the_rows_kept():
     from mci.layers.linear import Linear
 
@@ -59,6 +61,7 @@ def test_padded_rows_do_not_change_the_rows_kept():
     assert torch.equal(layer(x[:60].view(3, 20, 512)), unpadded(60).view(3, 20, -1))
 
 
+@needs_bf16_matmuls
 def test_kernel_warm_up_runs_every_bucketed_shape_once(checkpoint):
     """Every packed weight shape at every bucketed row count oneDNN takes (not the skinny
     kernels'), the vocabulary head up to the logit rows, the absorbed attention's two

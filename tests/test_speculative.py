@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 from engine_helpers import OracleDrafter, drive
+from helpers import needs_bf16_matmuls
 
 from mci.cache.config import CacheConfig
 from mci.core.request import Request
@@ -161,6 +162,7 @@ def test_every_accept_length_with_an_oracle_drafter(fp32):
             assert c[f"spec_decode_num_accepted_tokens_pos_{position}"] > 0
 
 
+@needs_bf16_matmuls
 def test_bf16_deterministic_outputs_identical_with_speculation(checkpoint):
     path = checkpoint(dtype="bfloat16")
     model = load_model(path, "bfloat16")
@@ -175,6 +177,7 @@ def test_bf16_deterministic_outputs_identical_with_speculation(checkpoint):
     _assert_same(got, reference, exact=True)
 
 
+@needs_bf16_matmuls
 def test_bundled_model_outputs_identical_with_speculation():
     """The bundled model (trained: its drafts get accepted) on code prompts, bf16 with
     deterministic inference: off, MTP k=1..3 and n-gram give the same text."""

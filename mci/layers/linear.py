@@ -130,8 +130,18 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, rows: int | None) -> to
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `pack_weight` applies: a CPU tensor with oneDNN available."""
-    return weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+    """Whether `pack_weight` applies: a CPU tensor with oneDNN available, and for bf16 a CPU
+    oneDNN runs bf16 matmuls on (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere its packing
+    raises, and the layer keeps torch's own matmul)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype != torch.bfloat16 or bf16_matmuls_supported()
+
+
+def bf16_matmuls_supported() -> bool:
+    """Whether oneDNN runs bf16 matmuls on this CPU (packing and the batch-invariant mode
+    need it)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

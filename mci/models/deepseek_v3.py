@@ -24,7 +24,7 @@ from mci.layers.attention import (
 )
 from mci.layers.attention_metadata import AttentionLayout, AttentionMetadata
 from mci.layers.embedding import VocabEmbedding, VocabHead
-from mci.layers.linear import Linear, bucket_sizes
+from mci.layers.linear import Linear, bf16_matmuls_supported, bucket_sizes
 from mci.layers.moe import MoE, RoutedExperts, TopKRouter
 from mci.layers.norm import RMSNorm
 from mci.layers.rotary import RotaryEmbedding
@@ -160,6 +160,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         belongs to the model: engines sharing one model object share it."""
         if enabled and (self.dtype != torch.bfloat16 or self.lm_head.weight.device.type != "cpu"):
             raise ValueError("batch-invariant inference is implemented for bfloat16 on the CPU")
+        if enabled and not bf16_matmuls_supported():
+            raise ValueError(
+                "batch-invariant inference needs a CPU oneDNN runs bf16 matmuls on "
+                "(AVX-512 BW/VL/DQ or AVX-NE-CONVERT); this one has neither"
+            )
         if enabled:
             self.pack_for_cpu(self.skinny_kernels)
         for module in self.modules():
