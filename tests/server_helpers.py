@@ -85,6 +85,12 @@ class LiveServer:
     def state(self) -> dict:
         return httpx.get(self.url + "/internal/state", timeout=10).json()
 
+    def metric(self, prefix: str) -> float:
+        """The sum of the /metrics samples whose line starts with `prefix` (a name and its
+        opening brace, or a name with its labels)."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+
     def wait_idle(self, timeout_s: float = 20) -> dict:
         """Poll until nothing is in flight; returns the engine state."""
         deadline = time.monotonic() + timeout_s

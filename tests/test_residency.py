@@ -118,12 +118,7 @@ def test_health_checks_read_labels_and_keep_a_failed_half_open_worker_out():
 # ---- the fleet --------------------------------------------------------------------------------
 def _served(replica: LiveServer) -> float:
     """Requests the replica itself finished (its mci:request_success_total, all reasons)."""
-    text = httpx.get(replica.url + "/metrics", timeout=10).text
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("mci:request_success_total{")
-    )
+    return replica.metric("mci:request_success_total{")
 
 
 def _rejections(router: LiveServer, reason: str) -> float:
@@ -174,6 +169,7 @@ def test_tenants_stay_in_their_region_and_fail_closed(checkpoint, tmp_path):
         workers = httpx.get(router.url + "/workers").json()["workers"]
         assert [(w["region"], w["pool"]) for w in workers] == [("eu", None), ("us", None)]
         assert httpx.get(eu.url + "/server_info").json() == {
+            "hicache_store": None,
             "region": "eu",
             "pool": None,
             "model": "m",

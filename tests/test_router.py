@@ -13,6 +13,7 @@ import httpx
 import pytest
 from server_helpers import LiveServer, free_port_run
 
+from mci.layers.linear import bf16_matmuls_supported
 from mci.router.policy import CacheAware, RoundRobin
 from mci.router.prefix_tree import PrefixTree
 from mci.router.workers import Worker
@@ -46,6 +47,24 @@ def test_cache_aware_keeps_families_together_and_balances():
     hot = "family 0 " + "shared context " * 20
     assert policy.choose(workers, hot).url == "http://b"
     assert RoundRobin().choose(workers, hot).url == "http://a"
+
+
+def test_cache_aware_counts_a_shared_store_as_a_hit_on_each_of_its_replicas():
+    a, b, c = Worker("http://a"), Worker("http://b"), Worker("http://c")
+    a.store = b.store = "s1"
+    trees = {"s1": PrefixTree()}
+    policy = CacheAware(cache_threshold=0.5, balance_abs=4, balance_rel=1.5, store_trees=trees)
+    prompt = "system prompt " * 20 + "turn 1"
+    a.tree.insert(prompt)
+    trees["s1"].insert(prompt)
+    c.tree.insert("x" * 5000)  # c has the least cache room: without the store, b would win
+    b.tree.insert("y" * 6000)
+    assert policy.choose([a, b, c], prompt).url == "http://a"  # its own pool first
+    a.in_flight = 3
+    assert policy.choose([a, b, c], prompt).url == "http://a"  # still: not unbalanced
+    assert policy.choose([b, c], prompt).url == "http://b"  # a gone: b loads it from the store
+    b.store = None
+    assert policy.choose([b, c], prompt).url == "http://c"  # no store: the most cache room
 
 
 @pytest.fixture
@@ -162,6 +181,8 @@ def _metric(text: str, name: str) -> float:
 def deterministic_replicas(checkpoint):
     """Batch-invariant replicas (bf16, --deterministic): a stream's tokens do not depend on
     what else shares its steps, so "the text one healthy replica gives" is one text."""
+    if not bf16_matmuls_supported():
+        pytest.skip("this CPU runs no oneDNN bf16 matmuls (--deterministic needs them)")
     path = checkpoint()
     flags = ("--served-model-name", "m", "--deterministic")
     with (

@@ -99,20 +99,10 @@ def test_the_deadline_fails_the_request_on_time_and_frees_the_servers_kv(workflo
     assert state["in_flight"] == 0 and state["num_running"] == 0
 
 
-def _aborted(server: LiveServer) -> float:
-    """The server's count of aborted requests (its /metrics)."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("mci:requests_aborted_total")
-    )
-
-
 def test_a_client_that_disconnects_cancels_the_tree_down_to_the_engine(workflow, model_server):
     # Proven by the server's own count, not by a time bound: on a loaded machine a 2,000-token
     # request that ran on to its end would take about as long as a slow abort.
-    before = _aborted(model_server)
+    before = model_server.metric("mci:requests_aborted_total ")
     body = {"text": "x", "max_tokens": 2000, "pause_s": 0.005}
     with httpx.stream("POST", workflow["Write"].url + "/run", json=body, timeout=30) as response:
         lines = response.iter_lines()
@@ -120,7 +110,7 @@ def test_a_client_that_disconnects_cancels_the_tree_down_to_the_engine(workflow,
         assert model_server.state()["num_running"] == 1
     state = model_server.wait_idle(timeout_s=10)
     assert state["num_running"] == 0 and state["in_flight"] == 0
-    assert _aborted(model_server) == before + 1
+    assert model_server.metric("mci:requests_aborted_total ") == before + 1
 
 
 def test_one_trace_from_the_workflow_to_the_engine(workflow, receiver):

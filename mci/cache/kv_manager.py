@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
+from mci.cache.hierarchy import HierarchicalCache
 from mci.cache.radix_cache import RadixCache
 from mci.cache.slot_pool import SlotPool
 from mci.core.request import Request
@@ -30,6 +33,18 @@ class KVCacheManager:
         self.pool = pool
         self.radix = radix
         self.match_margin = match_margin
+        self.tiers: HierarchicalCache | None = None  # L2/L3 under the tree (attach_tiers)
+
+    def attach_tiers(self, tiers: HierarchicalCache) -> None:
+        """Put host memory and a store under the tree: evictions demote, matches load."""
+        if self.radix is None:
+            raise ValueError("the lower cache tiers need the radix cache")
+        self.tiers = tiers
+        self.radix.on_evict = self._demote
+
+    def _demote(self, leaf) -> None:
+        tokens, slots = self.radix.path_of(leaf)
+        self.tiers.evicted(tokens, slots, len(tokens) - len(leaf.key))
 
     @property
     def available(self) -> int:
@@ -57,13 +72,60 @@ class KVCacheManager:
             raise RuntimeError(f"{request.request_id} already holds KV slots")
         if self.radix is None:
             return
-        slots, node = self.radix.match_prefix(self._matchable(request))
+        tokens = self._matchable(request)
+        slots, node = self.radix.match_prefix(tokens)
+        request.tier_tokens = None
+        if self.tiers is not None and len(tokens) - len(slots) >= self.tiers.page_tokens:
+            slots, node = self._load_from_tiers(request, tokens, slots, node)
         n = max(len(slots) - self.match_margin, 0)  # the lock on `node` covers these too
         self.radix.inc_lock(node)
         request.slots[:n] = slots[:n]
         request.matched_next_slot = int(slots[n]) if 0 < n < len(slots) else None
         request.last_node = node
         request.cached_len = request.num_slots = request.num_computed_tokens = n
+
+    def _load_from_tiers(self, request: Request, tokens: list[int], slots, node):
+        """Extend the tree's match with the pages L2/L3 hold: fresh slots (evicting unlocked
+        cache, never this match), filled from the tiers, inserted into the tree. Returns the
+        new match; `request.tier_tokens` counts the tokens each tier gave."""
+        start = len(slots)
+        pages = self.tiers.pages_to_load(tokens, start)
+        if not pages:
+            return slots, node
+        want = len(pages) * self.tiers.page_tokens - start % self.tiers.page_tokens
+        self.radix.inc_lock(node)  # the eviction below must not take the match itself
+        try:
+            if want > self.pool.num_free:
+                self.radix.evict(want - self.pool.num_free)
+        finally:
+            self.radix.dec_lock(node)
+        if want > self.pool.num_free:
+            return slots, node  # no room now: the request computes them
+        fresh = self.pool.alloc(want)
+        loaded = self.tiers.load(pages, start, fresh)
+        self.pool.free(fresh[len(loaded.slots) :])
+        if not len(loaded.slots):
+            return slots, node
+        end = start + len(loaded.slots)
+        present = self.radix.insert(tokens[:end], torch.cat([slots, loaded.slots]))
+        if present != start:
+            raise AssertionError(f"radix cache: {present} tokens present, matched {start}")
+        request.tier_tokens = loaded.tokens
+        return self.radix.match_prefix(tokens)
+
+    def cached_tokens_details(self, request: Request) -> dict | None:
+        """The request's cached tokens by tier ("device": found in L1; "host", "storage":
+        loaded from L2, L3); None without the lower tiers. The positions the match left to
+        compute again (`match_margin`) are taken from the lowest tier first."""
+        if self.tiers is None:
+            return None
+        loaded = request.tier_tokens or {}
+        storage, host = loaded.get("storage", 0), loaded.get("host", 0)
+        excess = storage + host - request.cached_len
+        if excess > 0:
+            cut = min(excess, storage)
+            storage, host = storage - cut, max(host - (excess - cut), 0)
+        return {"device": request.cached_len - host - storage, "host": host, "storage": storage}
 
     def allocate(self, request: Request, n: int) -> bool:
         """Slots for the request's next `n` positions, evicting unlocked cache if needed."""
@@ -101,6 +163,8 @@ class KVCacheManager:
         slots, node = self.radix.match_prefix(tokens)
         if len(slots) != n:
             raise AssertionError("radix cache lost a prefix it just inserted")
+        if self.tiers is not None:
+            self.tiers.cached(tokens, slots)
         request.slots[:n] = slots
         self.radix.inc_lock(node)
         if request.last_node is not None:
@@ -129,4 +193,6 @@ class KVCacheManager:
         if self.radix is not None:
             self.radix.check_invariants()
             owned += self.radix.owned_slots()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         self.pool.check_integrity(owned)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -51,6 +52,8 @@ class RadixCache:
 
     def __init__(self, pool: SlotPool):
         self.pool = pool
+        # told of each leaf before its slots are freed (the lower tiers demote it)
+        self.on_evict: Callable[[RadixNode], None] | None = None
         self.root = RadixNode([], torch.empty(0, dtype=torch.long), None)
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = itertools.count(1)
@@ -140,6 +143,8 @@ class RadixCache:
         freed = 0
         while heap and freed < num_tokens:
             _, _, leaf = heapq.heappop(heap)
+            if self.on_evict is not None:
+                self.on_evict(leaf)
             self.pool.free(leaf.slots)
             freed += len(leaf.key)
             self.evictable_tokens -= len(leaf.key)
@@ -150,6 +155,16 @@ class RadixCache:
         return freed
 
     # ---- inspection ---------------------------------------------------------------------------
+    def path_of(self, node: RadixNode) -> tuple[list[int], torch.Tensor]:
+        """The token ids and slots of the prefix root..node."""
+        keys, slots = [], []
+        while node is not self.root:
+            keys.append(node.key)
+            slots.append(node.slots)
+            node = node.parent
+        tokens = [t for key in reversed(keys) for t in key]
+        return tokens, torch.cat(slots[::-1]) if slots else torch.empty(0, dtype=torch.long)
+
     def _nodes(self):
         stack = [self.root]
         while stack:

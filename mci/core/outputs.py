@@ -23,6 +23,7 @@ class RequestOutput:
     text: str = ""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    cached_tokens_details: dict | None = None  # by cache tier (with --enable-hierarchical-cache)
     logprobs: list = field(default_factory=list)  # at the end, all: (logprob, [(id, lp), ...])
     new_logprobs: list = field(default_factory=list)  # this step's tokens' logprobs
     # per prompt position (None first), when asked: with the first output that has tokens

@@ -22,6 +22,7 @@ from mci.cache.kv_manager import KVCacheManager
 from mci.cache.radix_cache import RadixCache
 from mci.cache.sizing import kv_pool_tokens
 from mci.cache.slot_pool import SlotPool
+from mci.cache.tiers import open_tiers
 from mci.engine.config import EngineConfig
 from mci.engine.core import EngineCore
 from mci.engine.cpu_threads import ThreadGovernor, thread_levels
@@ -69,6 +70,8 @@ class EngineParts:
     def close(self) -> None:
         """Release the other ranks of a parallel run (nothing to do for one process); after a
         failure, kill this node's (a stuck one would never leave on its own)."""
+        if isinstance(self.core, EngineCore):
+            self.core.close()
         driver = self.core if isinstance(self.core, DataParallelCore) else self.model
         if not isinstance(driver, (ShardedModel, DataParallelCore)):
             return
@@ -193,6 +196,15 @@ def build_engine_core(
     logits, activations = step_transient_bytes(
         cfg, max_rows, logit_rows, cfg.max_position_embeddings
     )
+    if config.cache.enable_hierarchical_cache:
+        if model.parallel.world_size > 1:
+            raise UserError(
+                "--enable-hierarchical-cache runs in one process for now (each rank's pool "
+                "would need the same loads)"
+            )
+        kv.attach_tiers(
+            open_tiers(config.cache, config.model.model_path, kv_cache, model.batch_invariant)
+        )
     plan = MemoryPlan(
         model.weight_bytes(),
         (num_slots + num_scratch) * per_token,

@@ -196,6 +196,11 @@ class EngineCore:
             self.check_integrity()
         return outputs
 
+    def close(self) -> None:
+        """Finish what the lower cache tiers still write (the engine is going away)."""
+        if self.kv.tiers is not None:
+            self.kv.tiers.close()
+
     # ---- state --------------------------------------------------------------------------------
     def stats(self) -> dict:
         """A snapshot for metrics."""
@@ -218,6 +223,7 @@ class EngineCore:
             "heap_trims": self.free_memory.trims if self.free_memory else 0,
             "caches": self.cache_sizes(),
             "memory_plan_bytes": self.memory_plan.total_bytes if self.memory_plan else 0,
+            **({"hicache": kv.tiers.stats()} if kv.tiers is not None else {}),
         }
 
     def tenant_stats(self) -> dict:

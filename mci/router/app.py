@@ -36,6 +36,7 @@ from mci.errors import UserError, error_body
 from mci.router.config import RouterConfig
 from mci.router.metrics import RouterMetrics
 from mci.router.policy import make_policy
+from mci.router.prefix_tree import PrefixTree
 from mci.router.resume import StreamRelay
 from mci.router.workers import Worker, WorkerPool
 from mci.tenancy.residency import REGION_HEADER, Labels, Residency, narrowing_error
@@ -178,11 +179,14 @@ class Router:
         self.config = config
         self.tracing = Tracing(config.otlp_traces_endpoint, "mci-router")
         self.pool = WorkerPool(urls, config.breaker_failures, config.breaker_cooldown)
+        # the prompts routed to the replicas of each shared KV store (by its id)
+        self.store_trees: dict[str, PrefixTree] = {}
         self.policy = make_policy(
             config.policy,
             config.cache_threshold,
             config.balance_abs_threshold,
             config.balance_rel_threshold,
+            self.store_trees,
         )
         self.metrics = RouterMetrics(self.pool)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
@@ -233,6 +237,8 @@ class Router:
                 worker.prompt_chars += len(key)
                 worker.matched_chars += worker.tree.match(key)
                 worker.tree.insert(key)
+                if worker.store is not None:  # a hit on every replica sharing the store
+                    self.store_trees.setdefault(worker.store, PrefixTree()).insert(key)
             worker.in_flight += 1
             try:
                 upstream = await self.client.send(
@@ -360,7 +366,7 @@ class Router:
             except httpx.HTTPError:
                 ok = False
             if ok:  # before any re-admission: a replica comes back with its labels of now
-                worker.labels = await self._labels(worker)
+                worker.labels, worker.store = await self._info(worker)
             if worker.open_until and (not ok or time.monotonic() < worker.open_until):
                 if not ok:  # else its cooldown's end alone would let requests in again
                     worker.healthy = False
@@ -369,15 +375,18 @@ class Router:
 
         await asyncio.gather(*(one(w) for w in list(self.pool.workers.values())))
 
-    async def _labels(self, worker: Worker) -> Labels:
-        """The worker's labels from its /server_info. None when it has none or did not say
-        (an older server, a timeout): then it is outside every region and pool until a check
-        reads them, while its health, and so unrestricted traffic, stays /health's verdict."""
+    async def _info(self, worker: Worker) -> tuple[Labels, str | None]:
+        """The worker's labels and shared store from its /server_info. None when it has none
+        or did not say (an older server, a timeout): then it is outside every region and pool
+        until a check reads them, while its health, and so unrestricted traffic, stays
+        /health's verdict; and its cache is its own."""
         try:
             r = await self.client.get(worker.url + "/server_info", timeout=2.0)
-            return Labels.from_info(r.json() if r.status_code == 200 else None)
+            info = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
-            return Labels()
+            info = None
+        store = info.get("hicache_store") if isinstance(info, dict) else None
+        return Labels.from_info(info), store if isinstance(store, str) and store else None
 
     async def health_loop(self) -> None:
         while True:
@@ -432,6 +441,7 @@ def build_router_app(router: Router) -> FastAPI:
                     "url": w.url,
                     "region": w.labels.region,
                     "pool": w.labels.pool,
+                    "hicache_store": w.store,
                     "available": w.available,
                     "in_flight": w.in_flight,
                     "requests": w.requests,

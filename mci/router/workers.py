@@ -33,6 +33,7 @@ class Worker:
     ejections: int = 0
     readmissions: int = 0
     labels: Labels = field(default_factory=Labels)  # none until its /server_info is read
+    store: str | None = None  # the id of the shared KV store it uses (its /server_info)
 
     @property
     def estimated_cache_hit_rate(self) -> float:

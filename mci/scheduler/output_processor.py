@@ -165,6 +165,7 @@ class OutputProcessor:
             text=state.text if req.is_finished else "",
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_prompt_tokens,
+            cached_tokens_details=req.cached_tokens_details,
             logprobs=list(req.logprobs) if req.is_finished else [],
             new_logprobs=req.logprobs[len(req.logprobs) - len(new_ids) :] if req.logprobs else [],
             # with the first token (streams echo the prompt then) and with the final output

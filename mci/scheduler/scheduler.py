@@ -182,6 +182,7 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.first_scheduled_time = time.monotonic()
                 req.num_cached_prompt_tokens = req.cached_len
+                req.cached_tokens_details = self.kv.cached_tokens_details(req)
                 self.counters["prefix_cache_queries"] += req.num_prompt_tokens
                 self.counters["prefix_cache_hits"] += req.cached_len
             # not an assert: the allocation must happen under `python -O` too

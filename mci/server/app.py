@@ -258,8 +258,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/server_info", include_in_schema=False)
     async def server_info():
-        """This replica's labels and model: what the router's residency rule reads."""
-        return {"region": state.config.region, "pool": state.config.pool, "model": state.model_name}
+        """This replica's labels, model and shared KV store: what the router's residency rule
+        and its cache-aware policy read."""
+        return {
+            "region": state.config.region,
+            "pool": state.config.pool,
+            "model": state.model_name,
+            "hicache_store": state.hicache_store,
+        }
 
     @app.get("/internal/state", include_in_schema=False)
     async def internal_state():

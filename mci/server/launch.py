@@ -15,6 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
+from mci.cache.tiers import shared_store_id
 from mci.engine.builder import run_follower_node
 from mci.engine.config import EngineConfig
 from mci.errors import UserError
@@ -82,6 +83,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         server_config,
         name,
         engine_config.scheduler.max_running_requests,
+        hicache_store=shared_store_id(engine_config.cache),
     )
     log.info(
         "model %s (%s) from %s: %.1f MB of weights",

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS = (
     0.001,
@@ -103,6 +103,7 @@ class ServerMetrics:
         r.register(_SpecDecodeCollector(stats))
         r.register(_RestartCollector(restarts, hangs))
         r.register(_MemoryCollector(stats, front_memory))
+        r.register(_HiCacheCollector(stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -273,3 +274,92 @@ class _MemoryCollector:
             capacity.add_metric([name], cache["capacity"])
         yield entries
         yield capacity
+
+
+class _HiCacheCollector:
+    """The lower cache tiers (--enable-hierarchical-cache), by tier (host = L2, storage = L3):
+    hits and bytes loaded, pages and bytes stored, load and store latencies, evictions and
+    demotions, corrupt pages, disk failures, usage; nothing without the tiers."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        hicache = self._stats().get("hicache")
+        if not hicache:
+            return
+        tiers = hicache["tiers"]
+
+        def per_tier(kind, name: str, doc: str, key: str, tiers_with=tuple(tiers)):
+            family = kind(f"mci:hicache_{name}", doc, labels=["tier"])
+            for tier in tiers_with:
+                if key in tiers[tier]:
+                    family.add_metric([tier], float(tiers[tier][key]))
+            return family
+
+        yield per_tier(
+            CounterMetricFamily, "hit_tokens", "Prompt tokens loaded from a tier", "hit_tokens"
+        )
+        yield per_tier(CounterMetricFamily, "hit_pages", "Pages loaded from a tier", "hit_pages")
+        yield per_tier(
+            CounterMetricFamily, "loaded_bytes", "KV bytes loaded from a tier", "bytes_loaded"
+        )
+        yield per_tier(
+            CounterMetricFamily, "stored_pages", "Pages written to a tier", "stored_pages"
+        )
+        yield per_tier(
+            CounterMetricFamily, "stored_bytes", "KV bytes written to a tier", "bytes_stored"
+        )
+        yield per_tier(
+            CounterMetricFamily,
+            "evictions",
+            "Pages a tier evicted (least recently used)",
+            "evictions",
+        )
+        yield per_tier(GaugeMetricFamily, "used_bytes", "Bytes a tier holds now", "used_bytes")
+        yield per_tier(
+            GaugeMetricFamily, "capacity_bytes", "Bytes a tier may hold", "capacity_bytes"
+        )
+        yield CounterMetricFamily(
+            "mci:hicache_demotions",
+            "Pages the KV pool evicted into host memory",
+            value=hicache["demotions"],
+        )
+        storage = tiers.get("storage")
+        if storage is not None:
+            yield CounterMetricFamily(
+                "mci:hicache_corrupt_pages",
+                "Stored pages that failed their checksum or were truncated (deleted, recomputed)",
+                value=storage["corrupt"],
+            )
+            yield CounterMetricFamily(
+                "mci:hicache_storage_write_failures",
+                "Disk writes that failed (the first disables the storage tier)",
+                value=storage["write_failures"],
+            )
+            yield CounterMetricFamily(
+                "mci:hicache_storage_dropped_writes",
+                "Pages not written to the store: its write queue was full",
+                value=storage["dropped_writes"],
+            )
+            yield GaugeMetricFamily(
+                "mci:hicache_storage_enabled",
+                "1 while the storage tier works; 0 once a disk failure disabled it",
+                value=1.0 if storage["enabled"] else 0.0,
+            )
+        for kind, doc in (
+            ("load", "Time to load a page from a tier"),
+            ("store", "Time to write a page to a tier"),
+        ):
+            family = HistogramMetricFamily(f"mci:hicache_{kind}_seconds", doc, labels=["tier"])
+            for tier, entry in tiers.items():
+                h = entry[f"{kind}_seconds"]
+                cumulative, buckets = 0, []
+                for bound, count in zip([*h["buckets"], float("inf")], h["counts"], strict=True):
+                    cumulative += count
+                    buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
+                family.add_metric([tier], buckets, sum_value=h["sum"])
+            yield family

@@ -210,10 +210,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -301,6 +306,7 @@ class NativeMetaInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cached_tokens_details: dict[str, int] | None = None
 
 
 class GenerateResponse(BaseModel):

@@ -29,11 +29,14 @@ def native_finish_reason(out: RequestOutput) -> dict | None:
     return None if reason is None else {"type": reason, "matched": out.stop_reason}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: prompt tokens served
+    from the prefix cache (any tier) instead of computed."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -91,9 +94,10 @@ def completion_response(
 ) -> dict:
     """`text_completion` body: choice index runs over prompts, then samples. With echo the
     choice's text (and its logprobs, when asked) cover the prompt, then the completion."""
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
     for (prompt, ids), outs in zip(prompts, results, strict=True):
         prompt_tokens += len(ids)
+        cached_tokens += outs[0].num_cached_tokens if outs else 0  # the prompt's first sample
         prefix = echo_text(tokenizer, prompt, ids) if echo else ""
         for out in outs:
             completion_tokens += len(out.output_token_ids)
@@ -118,7 +122,7 @@ def completion_response(
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
@@ -159,7 +163,11 @@ def chat_response(
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage(prompt_len, sum(len(o.output_token_ids) for o in outputs)),
+        "usage": usage(
+            prompt_len,
+            sum(len(o.output_token_ids) for o in outputs),
+            outputs[0].num_cached_tokens if outputs else 0,
+        ),
     }
 
 
@@ -191,5 +199,11 @@ def native_response(out: RequestOutput, prompt_len: int) -> dict:
             "prompt_tokens": prompt_len,
             "completion_tokens": len(out.output_token_ids),
             "cached_tokens": out.num_cached_tokens,
+            # by tier, with --enable-hierarchical-cache: device (L1), host (L2), storage (L3)
+            **(
+                {"cached_tokens_details": out.cached_tokens_details}
+                if out.cached_tokens_details is not None
+                else {}
+            ),
         },
     }

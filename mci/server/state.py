@@ -43,6 +43,7 @@ class ServerState:
     tenants: TenantTable = field(init=False)  # --tenants FILE, or the one tenant of --api-key
     quotas: TenantQuotas = field(default_factory=TenantQuotas)
     draining: bool = False
+    hicache_store: str | None = None  # the id of the shared KV store (mci/cache/tiers.py)
     memory_gauge: MemoryGauge = field(default_factory=MemoryGauge)
 
     def __post_init__(self):

@@ -78,10 +78,12 @@ async def _reportable(
     sub: Submission, usage: list[int], with_ids: bool = False
 ) -> AsyncIterator[RequestOutput]:
     """Outputs worth a chunk (new text, prompt logprobs, the end, an error, or new tokens
-    when chunks carry token ids); counts tokens into usage[0]."""
+    when chunks carry token ids); counts tokens into usage[0], cached prompt tokens into
+    usage[1]."""
     while sub.remaining:
         out = await sub.next()
         usage[0] += len(out.new_token_ids)
+        usage[1] = max(usage[1], out.num_cached_tokens)
         worth = out.delta_text or out.new_logprobs or out.finished or out.prompt_logprobs
         if out.error or worth or (with_ids and out.new_token_ids):
             yield out
@@ -89,9 +91,10 @@ async def _reportable(
                 return
 
 
-def _usage_chunk(base: dict, prompt_tokens: int, completion_tokens: int) -> str:
+def _usage_chunk(base: dict, prompt_tokens: int, usage: list[int]) -> str:
     """The final chunk of `stream_options.include_usage`: no choices, just usage."""
-    return sse({**base, "choices": [], "usage": responses.usage(prompt_tokens, completion_tokens)})
+    body = responses.usage(prompt_tokens, usage[0], usage[1])
+    return sse({**base, "choices": [], "usage": body})
 
 
 def stream_error(out: RequestOutput) -> str:
@@ -105,7 +108,7 @@ async def stream_completion(ctx: StreamContext) -> AsyncIterator[str]:
     """Completion chunks. With echo, a choice's first chunk is its prompt (and the prompt's
     logprobs, when asked), sent once the engine has scored it; `text_offset` always indexes
     the choice's whole text so far."""
-    created, usage = int(time.time()), [ctx.resumed_tokens]
+    created, usage = int(time.time()), [ctx.resumed_tokens, 0]
     sub, params, tokenizer = ctx.submission, ctx.params, ctx.state.tokenizer
     base = {
         "id": ctx.request_id,
@@ -141,13 +144,13 @@ async def stream_completion(ctx: StreamContext) -> AsyncIterator[str]:
         if out.delta_text or out.new_token_ids or out.finished:
             yield chunk(idx, out.delta_text, lp, responses.finish_reason(out), out.new_token_ids)
     if ctx.include_usage:
-        yield _usage_chunk(base, ctx.num_prompt_tokens, usage[0])
+        yield _usage_chunk(base, ctx.num_prompt_tokens, usage)
     yield sse("[DONE]")
 
 
 async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
     """Chat chunks: a role chunk per choice, then content deltas."""
-    created, usage = int(time.time()), [ctx.resumed_tokens]
+    created, usage = int(time.time()), [ctx.resumed_tokens, 0]
     sub = ctx.submission
     base = {
         "id": ctx.request_id,
@@ -215,7 +218,7 @@ async def stream_chat(ctx: StreamContext) -> AsyncIterator[str]:
             }
         )
     if ctx.include_usage:
-        yield _usage_chunk(base, ctx.num_prompt_tokens, usage[0])
+        yield _usage_chunk(base, ctx.num_prompt_tokens, usage)
     yield sse("[DONE]")
 
 
