@@ -154,6 +154,8 @@ def test_a_full_disk_turns_the_store_off_and_serving_goes_on(checkpoint, tiny_di
         assert metric(server, "mci:hicache_storage_write_failures_total") == 1.0
         state = server.wait_idle()
         assert "ENOSPC" in state["hicache"]["tiers"]["storage"]["disabled_reason"]
+        # the router must not count on a store this replica no longer writes
+        assert httpx.get(server.url + "/server_info").json()["hicache_store"] is None
         again = complete(client, ids(10))  # L2 still serves it
         assert again.usage.prompt_tokens_details.cached_tokens > 0
         assert again.choices[0].text == outs[0].choices[0].text

@@ -133,9 +133,10 @@ class FileStore:
         if not self.enabled:
             return None
         path = self._path(key)
+        limit = _PREFIX + _MAX_HEADER + torch.Size(shape).numel() * dtype.itemsize
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                data = f.read(limit + 1)  # a sound block is smaller: never read a huge file
         except (FileNotFoundError, NotADirectoryError):
             with self._lock:
                 self.stats.misses += 1
@@ -186,7 +187,7 @@ class FileStore:
             return {}, "truncated header"
         try:
             header = json.loads(data[_PREFIX : _PREFIX + n].decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # deep nesting: RecursionError
             return {}, "unreadable header"
         if not isinstance(header, dict):
             return {}, "unreadable header"

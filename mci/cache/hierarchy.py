@@ -27,56 +27,22 @@ import logging
 import queue
 import threading
 import time
-from bisect import bisect_left
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from mci.cache.file_store import FileStore
 from mci.cache.host_store import HostStore
 from mci.cache.page_keys import PageKeys
+from mci.cache.tier_stats import TierCounters
 
 log = logging.getLogger("mci")
 
 TIERS = ("host", "storage")
-LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-WRITE_QUEUE_PAGES = 1024  # pages waiting for the disk at most (each a copy in host memory)
+WRITE_QUEUE_BYTES = 256 << 20  # pages waiting for the disk at most (copies in host memory)
+CLOSE_TIMEOUT_S = 30.0  # a clean shutdown waits this long for the disk, no longer
 KNOWN_STORED = 1 << 16  # keys remembered as written to L3 (not asked of the disk again)
-
-
-@dataclass
-class LatencyHistogram:
-    """Cumulative-bucket counts of durations (Prometheus' histogram shape)."""
-
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
-    total_s: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(self.buckets, seconds)] += 1
-        self.total_s += seconds
-
-    def as_dict(self) -> dict:
-        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.total_s}
-
-
-@dataclass
-class TierCounters:
-    """One tier's traffic, in pages and bytes."""
-
-    hit_pages: int = 0
-    hit_tokens: int = 0
-    bytes_loaded: int = 0
-    stored_pages: int = 0
-    bytes_stored: int = 0
-    load_s: LatencyHistogram = field(default_factory=LatencyHistogram)
-    store_s: LatencyHistogram = field(default_factory=LatencyHistogram)
-
-    def as_dict(self) -> dict:
-        out = {k: v for k, v in vars(self).items() if not isinstance(v, LatencyHistogram)}
-        out.update(load_seconds=self.load_s.as_dict(), store_seconds=self.store_s.as_dict())
-        return out
 
 
 @dataclass(frozen=True)
@@ -111,7 +77,7 @@ class HierarchicalCache:
         self.queue_full = 0  # L3 writes dropped: the disk fell behind
         self.lookups = 0
         self._known: OrderedDict[str, None] = OrderedDict()  # keys written to (or read from) L3
-        self._writes: queue.Queue = queue.Queue(WRITE_QUEUE_PAGES)
+        self._writes: queue.Queue = queue.Queue(max(1, WRITE_QUEUE_BYTES // host.page_bytes))
         self._stats_lock = threading.Lock()  # the writer thread's counters
         self._writer = None
         if store is not None:
@@ -132,7 +98,7 @@ class HierarchicalCache:
         self.lookups += 1
         found = []
         for key in self.keys.keys(token_ids, last)[first:]:
-            if key in self.host:
+            if self.host.get(key) is not None:  # now recently used: the room made next keeps it
                 found.append((key, "host"))
             elif self.store is not None and self.store.contains(key):
                 found.append((key, "storage"))
@@ -149,13 +115,14 @@ class HierarchicalCache:
         for key, tier in pages:
             begin = time.perf_counter()
             offset = (start + done) % p
-            page = self.host.get(key) if tier == "host" else self._read(key)
+            page = self.host.get(key) if tier == "host" else None
+            if page is None and self.store is not None:  # not in L2 (any more): try L3
+                page, tier = self._read(key), "storage"
             if page is None:
                 break
             n = p - offset
-            self.kv_cache.index_copy_(
-                1, slots[done : done + n], page[:, offset:].to(self.kv_cache.device)
-            )
+            dst = slots[done : done + n].to(self.kv_cache.device)
+            self.kv_cache.index_copy_(1, dst, page[:, offset:].to(self.kv_cache.device))
             counters = self.tiers[tier]
             counters.hit_pages += 1
             counters.hit_tokens += n
@@ -174,14 +141,16 @@ class HierarchicalCache:
         return page
 
     # ---- writes ---------------------------------------------------------------------------
-    def cached(self, token_ids: list[int], slots: torch.Tensor) -> None:
+    def on_cached(self, token_ids: list[int], slots: torch.Tensor) -> None:
         """The tree took `token_ids` (their L1 `slots`): write-through copies their full pages
         down now (write-back waits for the eviction)."""
         if self.write_back:
             return
         num_pages = len(token_ids) // self.page_tokens
+        store = self.store
         for i, key in enumerate(self.keys.keys(token_ids, num_pages)):
-            in_host, in_store = key in self.host, self.store is None or key in self._known
+            in_host = key in self.host
+            in_store = store is None or not store.enabled or key in self._known
             if in_host and in_store:
                 continue
             page = self._page_of(slots, i)
@@ -190,7 +159,7 @@ class HierarchicalCache:
             if not in_store:
                 self._queue_store(key, page)
 
-    def evicted(self, token_ids: list[int], slots: torch.Tensor, leaf_start: int) -> None:
+    def on_evicted(self, token_ids: list[int], slots: torch.Tensor, leaf_start: int) -> None:
         """L1 evicts the tree's positions from `leaf_start` of the path `token_ids` (`slots`
         still valid): the full pages ending in them go to L2 (a demotion, not a drop)."""
         p = self.page_tokens
@@ -204,7 +173,8 @@ class HierarchicalCache:
 
     def _page_of(self, slots: torch.Tensor, i: int) -> torch.Tensor:
         p = self.page_tokens
-        return self.kv_cache.index_select(1, slots[i * p : (i + 1) * p]).cpu()
+        rows = slots[i * p : (i + 1) * p].to(self.kv_cache.device)
+        return self.kv_cache.index_select(1, rows).cpu()
 
     def _put_host(self, key: str, page: torch.Tensor) -> None:
         begin = time.perf_counter()
@@ -253,16 +223,27 @@ class HierarchicalCache:
             finally:
                 self._writes.task_done()
 
-    def flush(self) -> None:
-        """Wait until every queued L3 write is done (tests, a clean shutdown)."""
-        if self._writer is not None:
-            self._writes.join()
+    def flush(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+        """Wait until every queued L3 write is done, at most `timeout_s`; whether they are."""
+        deadline = time.monotonic() + timeout_s
+        while self._writer is not None and self._writes.unfinished_tasks:
+            if time.monotonic() > deadline or not self._writer.is_alive():
+                return False
+            time.sleep(0.01)
+        return True
 
     def close(self) -> None:
-        """Finish the queued writes and stop the writer."""
-        if self._writer is not None and self._writer.is_alive():
-            self._writes.put(None)
-            self._writer.join(timeout=30)
+        """Finish the queued writes (a bounded wait: a stuck disk must not hold up the
+        engine's exit; what is left is lost, as in a crash) and stop the writer."""
+        if self._writer is None or not self._writer.is_alive():
+            return
+        try:
+            self._writes.put(None, timeout=CLOSE_TIMEOUT_S)
+        except queue.Full:
+            left = self._writes.qsize()
+            log.warning("hierarchical cache: the disk fell behind; %d page writes lost", left)
+            return
+        self._writer.join(timeout=CLOSE_TIMEOUT_S)
 
     # ---- inspection -----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -292,6 +273,7 @@ class HierarchicalCache:
         else:
             tiers.pop("storage")
         return {
+            "identity": self.keys.identity,
             "page_tokens": self.page_tokens,
             "write_policy": "write_back" if self.write_back else "write_through",
             "lookups": self.lookups,

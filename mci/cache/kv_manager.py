@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from mci.cache.hierarchy import HierarchicalCache
-from mci.cache.radix_cache import RadixCache
+from mci.cache.radix_cache import RadixCache, RadixNode
 from mci.cache.slot_pool import SlotPool
 from mci.core.request import Request
 
@@ -42,9 +42,9 @@ class KVCacheManager:
         self.tiers = tiers
         self.radix.on_evict = self._demote
 
-    def _demote(self, leaf) -> None:
+    def _demote(self, leaf: RadixNode) -> None:
         tokens, slots = self.radix.path_of(leaf)
-        self.tiers.evicted(tokens, slots, len(tokens) - len(leaf.key))
+        self.tiers.on_evicted(tokens, slots, len(tokens) - len(leaf.key))
 
     @property
     def available(self) -> int:
@@ -74,8 +74,7 @@ class KVCacheManager:
             return
         tokens = self._matchable(request)
         slots, node = self.radix.match_prefix(tokens)
-        request.tier_tokens = None
-        if self.tiers is not None and len(tokens) - len(slots) >= self.tiers.page_tokens:
+        if self.tiers is not None:
             slots, node = self._load_from_tiers(request, tokens, slots, node)
         n = max(len(slots) - self.match_margin, 0)  # the lock on `node` covers these too
         self.radix.inc_lock(node)
@@ -84,10 +83,13 @@ class KVCacheManager:
         request.last_node = node
         request.cached_len = request.num_slots = request.num_computed_tokens = n
 
-    def _load_from_tiers(self, request: Request, tokens: list[int], slots, node):
+    def _load_from_tiers(
+        self, request: Request, tokens: list[int], slots: torch.Tensor, node: RadixNode
+    ) -> tuple[torch.Tensor, RadixNode]:
         """Extend the tree's match with the pages L2/L3 hold: fresh slots (evicting unlocked
         cache, never this match), filled from the tiers, inserted into the tree. Returns the
-        new match; `request.tier_tokens` counts the tokens each tier gave."""
+        new match; `request.tier_tokens` adds the tokens each tier gave (kept across an
+        admission that is undone, so the first admission reports where they came from)."""
         start = len(slots)
         pages = self.tiers.pages_to_load(tokens, start)
         if not pages:
@@ -95,14 +97,20 @@ class KVCacheManager:
         want = len(pages) * self.tiers.page_tokens - start % self.tiers.page_tokens
         self.radix.inc_lock(node)  # the eviction below must not take the match itself
         try:
+            if want > self.pool.num_free + self.radix.evictable_tokens:
+                return slots, node  # no room now (and no eviction for nothing): computed
             if want > self.pool.num_free:
                 self.radix.evict(want - self.pool.num_free)
         finally:
             self.radix.dec_lock(node)
         if want > self.pool.num_free:
-            return slots, node  # no room now: the request computes them
+            return slots, node
         fresh = self.pool.alloc(want)
-        loaded = self.tiers.load(pages, start, fresh)
+        try:
+            loaded = self.tiers.load(pages, start, fresh)
+        except BaseException:
+            self.pool.free(fresh)
+            raise
         self.pool.free(fresh[len(loaded.slots) :])
         if not len(loaded.slots):
             return slots, node
@@ -110,7 +118,8 @@ class KVCacheManager:
         present = self.radix.insert(tokens[:end], torch.cat([slots, loaded.slots]))
         if present != start:
             raise AssertionError(f"radix cache: {present} tokens present, matched {start}")
-        request.tier_tokens = loaded.tokens
+        before = request.tier_tokens or {}
+        request.tier_tokens = {t: before.get(t, 0) + n for t, n in loaded.tokens.items()}
         return self.radix.match_prefix(tokens)
 
     def cached_tokens_details(self, request: Request) -> dict | None:
@@ -164,7 +173,7 @@ class KVCacheManager:
         if len(slots) != n:
             raise AssertionError("radix cache lost a prefix it just inserted")
         if self.tiers is not None:
-            self.tiers.cached(tokens, slots)
+            self.tiers.on_cached(tokens, slots)
         request.slots[:n] = slots
         self.radix.inc_lock(node)
         if request.last_node is not None:
@@ -186,6 +195,8 @@ class KVCacheManager:
         request.last_node = None
         request.cached_len = request.num_slots = request.num_computed_tokens = 0
         request.mtp_pending = request.matched_next_slot = None
+        if request.first_scheduled_time is not None:  # admitted: its report is taken
+            request.tier_tokens = None
 
     def check_integrity(self, requests: Iterable[Request]) -> None:
         """Assert every slot is free, the tree's, or exactly one request's."""

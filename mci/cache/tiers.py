@@ -18,6 +18,8 @@ from mci.errors import UserError
 
 log = logging.getLogger("mci")
 
+STORE_ID_FILE = "store-id"  # in the store's directory: its id, written once
+
 
 def open_tiers(
     cache: CacheConfig, model_path: str | os.PathLike, kv_cache: torch.Tensor, batch_invariant: bool
@@ -64,9 +66,6 @@ def open_tiers(
     )
 
 
-STORE_ID_FILE = "store-id"
-
-
 def shared_store_id(cache: CacheConfig) -> str | None:
     """The id of the file store this server uses (None without one): written once into the
     directory, so every replica pointing at the same directory, on any host that mounts it,
@@ -95,3 +94,16 @@ def _read_or_create_id(path: Path) -> str:
     finally:
         tmp.unlink()
     return path.read_text().strip()
+
+
+def shared_store(store_id: str | None, hicache: dict | None) -> str | None:
+    """What a replica reports as its shared store (`/server_info`): the directory's id and the
+    identity its pages are keyed by, so only replicas that can read each other's pages report
+    one store; None unless L3 is on, working, and written through (write-back reaches the disk
+    only after two evictions: another replica would rarely find a prefix there)."""
+    if store_id is None or not hicache or hicache.get("write_policy") != "write_through":
+        return None
+    storage = hicache.get("tiers", {}).get("storage")
+    if not storage or not storage.get("enabled"):
+        return None
+    return f"{store_id}-{hicache['identity'][:16]}"

@@ -88,8 +88,9 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (first time)
-    # of those, the tokens loaded from each lower cache tier ("host", "storage"): the last
-    # match's (KVCacheManager.match), kept from the first admission in `cached_tokens_details`
+    # of those, the tokens loaded from each lower cache tier ("host", "storage"), summed over
+    # the matches up to its first admission (KVCacheManager.match); then in
+    # `cached_tokens_details`
     tier_tokens: dict | None = None
     cached_tokens_details: dict | None = None
     # --- KV ----------------------------------------------------------------------------------

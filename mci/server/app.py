@@ -22,6 +22,7 @@ from opentelemetry.context import Context
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mci import __version__
+from mci.cache.tiers import shared_store
 from mci.core.outputs import RequestOutput
 from mci.core.request_ids import new_request_id
 from mci.core.sampling_params import SamplingParams
@@ -264,7 +265,7 @@ def build_app(state: ServerState) -> FastAPI:
             "region": state.config.region,
             "pool": state.config.pool,
             "model": state.model_name,
-            "hicache_store": state.hicache_store,
+            "hicache_store": shared_store(state.hicache_store, state.engine.stats.get("hicache")),
         }
 
     @app.get("/internal/state", include_in_schema=False)
