@@ -110,7 +110,8 @@ def test_a_request_queued_past_max_queue_time_gets_503_with_retry_after(checkpoi
     flags = ("--max-running-requests", "1", "--max-queue-time", "1")
     with LiveServer(path, *flags) as server:
         results: dict = {}
-        args = (server.url, "x", LONG_TOKENS, results, "long")
+        # long enough to outlast the queued requests' 1 s bound (~1.5 s) several times over
+        args = (server.url, "x", LONG_TOKENS // 3, results, "long")
         long = threading.Thread(target=_complete, args=args)
         long.start()
         time.sleep(0.5)

@@ -49,7 +49,7 @@ def join(config: EngineConfig, rank: int, init_addr: str) -> ParallelContext:
     """Join the run's process group as `rank` (every rank of every node calls it)."""
     par = config.parallel
     _set_threads(par, config.model.device)
-    group = init_process_group(
+    _start, serving = init_process_group(
         rank, par.world_size, init_addr, par.dist_timeout, config.model.device
     )
     return ParallelContext(
@@ -57,7 +57,7 @@ def join(config: EngineConfig, rank: int, init_addr: str) -> ParallelContext:
         par.world_size,
         par.tp_size,
         par.ep_size,
-        group,
+        serving,
         par.enable_dp_attention,
         par.moe_dispatch,
     )
@@ -77,7 +77,8 @@ def load_agreed(
     except UserError as exc:
         error = exc
     failed = torch.tensor([0 if model is not None else 1])
-    dist.all_reduce(failed, group=parallel.group)
+    # on the start group (the default world): a slow rank's load is not a stuck rank
+    dist.all_reduce(failed)
     if error is not None:
         raise error
     if int(failed):

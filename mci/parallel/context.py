@@ -76,18 +76,28 @@ class ParallelContext:
         return index * step, (index + 1) * step
 
 
+# Joining takes as long as the slowest rank's start (a spawned interpreter importing torch on a
+# loaded machine can take many seconds), so the rendezvous and the load agreement wait this long;
+# serving collectives get --dist-timeout (a stuck rank must fail the others quickly).
+START_TIMEOUT_S = 300.0
+
+
 def init_process_group(
     rank: int, world_size: int, init_addr: str, timeout_s: float, device: str = "cpu"
-) -> object:
-    """Join the run's torch.distributed world (gloo on CPUs, NCCL on GPUs). Every collective
-    times out after `timeout_s`: a dead or stuck rank fails the others instead of hanging
-    them."""
+) -> tuple[object, object]:
+    """Join the run's torch.distributed world (gloo on CPUs, NCCL on GPUs). Returns (start
+    group, serving group): the world, whose collectives wait up to START_TIMEOUT_S (rendezvous
+    and the load agreement), and a group of the same ranks whose every collective times out
+    after `timeout_s`, so a dead or stuck rank fails the others instead of hanging them."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(
         backend,
         init_method=f"tcp://{init_addr}",
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(seconds=max(timeout_s, START_TIMEOUT_S)),
     )
-    return dist.group.WORLD
+    serving = dist.new_group(
+        ranks=list(range(world_size)), timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    return dist.group.WORLD, serving
