@@ -200,7 +200,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
 def _cmd_router(args: argparse.Namespace) -> int:
     from mci.router.launch import run_router
 
-    return run_router(from_args(RouterConfig, args), args.worker_urls)
+    return run_router(from_args(RouterConfig, args), args.worker_urls, args.prefill, args.decode)
 
 
 def _cmd_workflow(args: argparse.Namespace) -> int:
@@ -290,6 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="one OpenAI endpoint over mci serve replicas")
     r.add_argument(
         "--worker-urls", nargs="+", default=[], help="the replicas, e.g. http://127.0.0.1:30001"
+    )
+    r.add_argument(
+        "--prefill", nargs="+", default=[], help="--pd-disaggregation: the prefill workers"
+    )
+    r.add_argument(
+        "--decode", nargs="+", default=[], help="--pd-disaggregation: the decode workers"
     )
     add_flags(r, RouterConfig)
     r.set_defaults(func=_cmd_router)

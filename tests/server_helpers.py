@@ -96,8 +96,13 @@ class LiveServer:
         deadline = time.monotonic() + timeout_s
         while True:
             state = self.state()
+            handoff = state.get("disaggregation") or {}
+            transfers = ("receiving", "held_tokens", "quarantined_slots")
             if (
-                state["in_flight"] == 0 and state["num_running"] == 0 and state["num_waiting"] == 0
+                state["in_flight"] == 0
+                and state["num_running"] == 0
+                and state["num_waiting"] == 0
+                and not any(handoff.get(k) for k in transfers)
             ) or time.monotonic() > deadline:
                 return state
             time.sleep(0.1)

@@ -25,6 +25,7 @@ FLOORS = (
     ("mci.replicas",),  # N servers behind the router (--dp-size, Ray Serve replicas)
     ("mci.server", "mci.router", "mci.bench"),  # HTTP front ends, and the load generator
     ("mci.engine",),  # THE engine: API, core step, loop, builder, commands, multi-rank
+    ("mci.disaggregation",),  # prefill/decode workers' KV handoff (fills scheduler/handoff.py)
     ("mci.scheduler", "mci.runner"),  # the plan of a step; the step on the model
     ("mci.speculative",),  # drafters (MTP runs the model's module)
     ("mci.plan", "mci.tools"),  # memory plans and checkpoint tools, from the model's layout

@@ -12,7 +12,9 @@ Ownership of a request's KV fields (`slots`, `num_slots`, `cached_len`, `last_no
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +22,18 @@ from mci.cache.hierarchy import HierarchicalCache
 from mci.cache.radix_cache import RadixCache, RadixNode
 from mci.cache.slot_pool import SlotPool
 from mci.core.request import Request
+
+
+@dataclass(frozen=True)
+class KVHold:
+    """A request's KV kept after the request ended, for a reader in another engine (the
+    prefill side of a disaggregated pair): the slots of positions [0, len(slots)). The tree's
+    slots, alive while `node` stays locked by the hold; without the radix cache (`node` None)
+    the hold owns the slots itself."""
+
+    hold_id: int
+    slots: torch.Tensor  # [num_tokens] slot of each position
+    node: object = None
 
 
 class KVCacheManager:
@@ -34,6 +48,11 @@ class KVCacheManager:
         self.radix = radix
         self.match_margin = match_margin
         self.tiers: HierarchicalCache | None = None  # L2/L3 under the tree (attach_tiers)
+        # disaggregation: KV kept for another engine's read (prefill side), and slots a
+        # cancelled read may still write into (decode side), each until it is safe to let go
+        self.holds: dict[int, KVHold] = {}
+        self.quarantined: dict[str, torch.Tensor] = {}
+        self._hold_ids = itertools.count()
 
     def attach_tiers(self, tiers: HierarchicalCache) -> None:
         """Put host memory and a store under the tree: evictions demote, matches load."""
@@ -198,9 +217,56 @@ class KVCacheManager:
         if request.first_scheduled_time is not None:  # admitted: its report is taken
             request.tier_tokens = None
 
+    # ---- disaggregation ------------------------------------------------------------------------
+    def hold(self, request: Request) -> KVHold:
+        """Keep the KV of the request's computed positions after it ends (call before
+        `release`): in the tree under a lock of the hold's own, or, without the radix cache,
+        as slots the hold takes over from the request. Given back by `unhold`."""
+        n = request.num_computed_tokens
+        if self.radix is not None:
+            if n > request.cached_len:
+                self.cache_prefix(request)
+            self.radix.inc_lock(request.last_node)
+            hold = KVHold(next(self._hold_ids), request.slots[:n].clone(), request.last_node)
+        else:
+            hold = KVHold(next(self._hold_ids), request.slots[:n].clone())
+            self.pool.free(request.slots[n : request.num_slots])
+            request.num_slots = request.num_computed_tokens = 0  # its slots are the hold's
+        self.holds[hold.hold_id] = hold
+        return hold
+
+    def unhold(self, hold_id: int) -> None:
+        """The reader is done (or gone): the held KV becomes ordinary cache again."""
+        hold = self.holds.pop(hold_id, None)
+        if hold is None:
+            return
+        if hold.node is not None:
+            self.radix.dec_lock(hold.node)
+        else:
+            self.pool.free(hold.slots)
+
+    def quarantine(self, request: Request) -> None:
+        """The request's own slots may still be written by a transfer that was cancelled in
+        flight: keep them out of the pool (call before `release`) until `end_quarantine`."""
+        own = request.own_slots.clone()
+        request.num_slots = request.cached_len
+        if request.num_computed_tokens > request.cached_len:
+            request.num_computed_tokens = request.cached_len
+        if len(own):
+            self.quarantined[request.request_id] = own
+
+    def end_quarantine(self, request_id: str) -> None:
+        """Nothing can write into the request's quarantined slots any more: free them."""
+        slots = self.quarantined.pop(request_id, None)
+        if slots is not None:
+            self.pool.free(slots)
+
     def check_integrity(self, requests: Iterable[Request]) -> None:
-        """Assert every slot is free, the tree's, or exactly one request's."""
+        """Assert every slot is free, the tree's, exactly one request's, a hold's or
+        quarantined."""
         owned = [r.own_slots for r in requests if r.num_slots > r.cached_len]
+        owned += [h.slots for h in self.holds.values() if h.node is None]
+        owned += list(self.quarantined.values())
         if self.radix is not None:
             self.radix.check_invariants()
             owned += self.radix.owned_slots()

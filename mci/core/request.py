@@ -14,6 +14,7 @@ just different values of `num_computed_tokens`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import time
@@ -56,6 +57,33 @@ class TenantShare:
     max_running: int | None = None
 
 
+@dataclass(frozen=True)
+class KVHandoff:
+    """Prefill-decode disaggregation (mci/disaggregation/): this request's KV crosses between
+    two engines, which both know it as `room` (a name the router gave it).
+
+    `source` None: this engine is the prefill side. It computes the known tokens, samples the
+    first new token, then holds their KV until the decode side has read it.
+    `source` "host:port" (the prefill engine's bootstrap server): this engine is the decode
+    side. It reserves slots for the known tokens, reads their KV and the first token from
+    there, and decodes."""
+
+    room: str
+    source: str | None = None
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.source is None
+
+    def for_prompt(self, k: int) -> KVHandoff:
+        """Prompt `k` of a request: a room of its own (both sides number prompts alike)."""
+        return dataclasses.replace(self, room=f"{self.room}-p{k}")
+
+    def for_sample(self, index: int, n: int) -> KVHandoff:
+        """Sample `index` of `n`: a room of its own (both sides fan out alike)."""
+        return self if n == 1 else dataclasses.replace(self, room=f"{self.room}/{index}")
+
+
 @dataclass(eq=False)
 class QueueClock:
     """A queue deadline (time.monotonic()) that stops counting once a sample is scheduled."""
@@ -80,6 +108,7 @@ class Request:
     # its siblings (deferred behind its prefill) is ended as "queued too long"
     queue_clock: QueueClock | None = None
     share: TenantShare = TenantShare()  # its tenant (fair scheduling, per-tenant caps)
+    handoff: KVHandoff | None = None  # prefill-decode disaggregation: which side, which room
     # --- state -----------------------------------------------------------------------------
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -155,6 +184,16 @@ class Request:
         """Record a generated token (it has no latent in the cache yet)."""
         self.output_ids.append(token_id)
         self.token_ids.append(token_id)
+
+    @property
+    def prefill_only(self) -> bool:
+        """The prefill side of a disaggregated pair: done once its first new token is out."""
+        return self.handoff is not None and self.handoff.prefill_only
+
+    @property
+    def receives_kv(self) -> bool:
+        """The decode side of a disaggregated pair: its known tokens' KV is read, not computed."""
+        return self.handoff is not None and not self.handoff.prefill_only
 
     @property
     def scores_prompt(self) -> bool:

@@ -23,6 +23,7 @@ from mci.cache.radix_cache import RadixCache
 from mci.cache.sizing import kv_pool_tokens
 from mci.cache.slot_pool import SlotPool
 from mci.cache.tiers import open_tiers
+from mci.disaggregation.handoff import open_handoff
 from mci.engine.config import EngineConfig
 from mci.engine.core import EngineCore
 from mci.engine.cpu_threads import ThreadGovernor, thread_levels
@@ -229,6 +230,10 @@ def build_engine_core(
         speculator = Speculator(spec, drafter)
         log.info(
             "speculative decoding: %s, %d draft tokens", spec.speculative_algorithm, spec.num_steps
+        )
+    if config.disaggregation.enabled:
+        scheduler.handoff = open_handoff(
+            config.disaggregation, kv_cache, config.model.model_path, model.batch_invariant
         )
     runner = ModelRunner(model, kv_cache, eos_ids, speculator)
     grammar = xgrammar_cache(tokenizer, cfg.vocab_size, eos_ids)

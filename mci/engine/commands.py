@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from mci.core.outputs import RequestOutput
-from mci.core.request import Resume, TenantShare
+from mci.core.request import KVHandoff, Resume, TenantShare
 from mci.core.sampling_params import SamplingParams
 
 
@@ -44,6 +44,9 @@ class AddRequest:
     # then ended with QUEUE_TIMEOUT unless one of its samples has been scheduled
     queue_timeout_s: float | None = None
     share: TenantShare = TenantShare()  # whose it is (the front end resolved the tenant)
+    # prefill-decode disaggregation: the room and side of this prompt's KV (each sample takes
+    # `handoff.for_sample`); None: computed and decoded here
+    handoff: KVHandoff | None = None
 
     def aged(self, elapsed_s: float) -> AddRequest:
         """This command passed on `elapsed_s` after it was taken: its bounds that much closer."""

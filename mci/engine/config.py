@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mci.cache.config import CacheConfig
 from mci.config_fields import add_flags, check_choices, from_args, option
+from mci.disaggregation.config import DisaggregationConfig
 from mci.errors import UserError
 from mci.parallel.config import ParallelConfig
 from mci.scheduler.config import SchedulerConfig
@@ -69,6 +70,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     check_integrity: bool = False  # verify slot accounting every step (tests)
 
     def __post_init__(self):
@@ -77,6 +79,17 @@ class EngineConfig:
                 "--speculative-algorithm with --enable-dp-attention is not supported: drafts "
                 "would add forwards on some ranks only, and the ranks step together"
             )
+        if self.disaggregation.enabled:
+            if self.speculative.speculative_algorithm == "mtp":
+                raise UserError(
+                    "--disaggregation-mode with --speculative-algorithm mtp is not supported: "
+                    "the MTP module's latents and state would have to travel too (ngram works)"
+                )
+            if self.parallel.world_size > 1:
+                raise UserError(
+                    "--disaggregation-mode runs in one process for now (each rank's KV "
+                    "would travel on its own)"
+                )
 
 
 # the sections an engine command's flags come from, by EngineConfig's field names
@@ -86,6 +99,7 @@ SECTIONS = {
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
     "parallel": ParallelConfig,
+    "disaggregation": DisaggregationConfig,
 }
 
 

@@ -34,6 +34,7 @@ from mci.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("mci")
 GRAMMAR_WAIT_S = 0.005  # longest an idle step waits for a compiling grammar
+HANDOFF_WAIT_S = 0.005  # ... and for a KV transfer, when nothing else can run
 
 
 class StepCore(Protocol):
@@ -83,6 +84,9 @@ def check_idle(state: dict) -> None:
         raise AssertionError(f"slots leaked: {state}")
     if state["tree_locked_tokens"]:
         raise AssertionError(f"a lock leaked: {state['tree_locked_tokens']} tokens still locked")
+    handoff = state.get("disaggregation") or {}
+    if any(handoff.get(k) for k in ("receiving", "held_tokens", "quarantined_slots")):
+        raise AssertionError(f"KV handoffs still in flight: {handoff}")
 
 
 class EngineCore:
@@ -183,13 +187,16 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Advance every runnable request by one step; returns the step's outputs."""
         self.between_steps()
-        outputs = self.scheduler.expire_deadlines() + self.scheduler.reject_failed_grammars()
-        batch = self.scheduler.schedule()
+        sched = self.scheduler
+        outputs = sched.take_handoffs() + sched.expire_deadlines() + sched.reject_failed_grammars()
+        batch = sched.schedule()
         if batch:
             start = time.monotonic()
             result = self.runner.execute(batch)
             self.longest_step_s = max(self.longest_step_s, time.monotonic() - start)
-            outputs += self.scheduler.update(batch, result)
+            outputs += sched.update(batch, result)
+        elif not outputs and sched.handoff is not None and sched.handoff.busy:
+            sched.handoff.wait(HANDOFF_WAIT_S)  # only transfers in flight: wait for one
         else:
             self._wait_for_a_grammar()
         if self.check_integrity_each_step:
@@ -197,9 +204,12 @@ class EngineCore:
         return outputs
 
     def close(self) -> None:
-        """Finish what the lower cache tiers still write (the engine is going away)."""
+        """Finish what the lower cache tiers still write, stop the KV handoff's threads (the
+        engine is going away)."""
         if self.kv.tiers is not None:
             self.kv.tiers.close()
+        if self.scheduler.handoff is not None:
+            self.scheduler.handoff.close()
 
     # ---- state --------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -224,6 +234,16 @@ class EngineCore:
             "caches": self.cache_sizes(),
             "memory_plan_bytes": self.memory_plan.total_bytes if self.memory_plan else 0,
             **({"hicache": kv.tiers.stats()} if kv.tiers is not None else {}),
+            **({"disaggregation": self._handoff_stats()} if sched.handoff is not None else {}),
+        }
+
+    def _handoff_stats(self) -> dict:
+        kv, sched = self.kv, self.scheduler
+        return {
+            **sched.handoff.stats(),
+            "receiving": len(sched.receiving),
+            "held_tokens": sum(len(h.slots) for h in kv.holds.values()),
+            "quarantined_slots": sum(len(s) for s in kv.quarantined.values()),
         }
 
     def tenant_stats(self) -> dict:
@@ -254,8 +274,9 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every slot is free, the tree's, or exactly one running
-        request's (requests in flight included)."""
-        self.kv.check_integrity(self.scheduler.running)
+        (or receiving) request's, a hold's or quarantined."""
+        sched = self.scheduler
+        self.kv.check_integrity(sched.running + list(sched.receiving.values()))
 
     def check_idle_integrity(self) -> None:
         """AssertionError unless, with nothing in flight, every slot is free or the tree's."""

@@ -135,16 +135,17 @@ class RequestFront:
             "queue_clock": clock,
             "share": command.share,
         }
+        handoff = command.handoff
         resume = command.resume
         if resume is not None:
             self.check_resume(params, resume)
-            req = Request(command.request_id, ids, params, **timing)
+            req = Request(command.request_id, ids, params, handoff=handoff, **timing)
             for token in resume.output_ids:
                 req.append_token(token)
             req.resumed_text_offset = resume.text_offset
             return [req]
         if params.n == 1:
-            return [Request(command.request_id, ids, params, **timing)]
+            return [Request(command.request_id, ids, params, handoff=handoff, **timing)]
         # Samples share the prompt: the scheduler defers siblings until the first one's prefill
         # is in the prefix cache, then they reuse it.
         return [
@@ -154,6 +155,7 @@ class RequestFront:
                 dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else params.seed + i
                 ),
+                handoff=None if handoff is None else handoff.for_sample(i, params.n),
                 **timing,
             )
             for i, sid in enumerate(sample_ids(command.request_id, params.n))

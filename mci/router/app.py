@@ -14,6 +14,10 @@ unknown key is a 401), and only replicas whose labels (region, pool; read from /
 at the health checks) the tenant allows, narrowed by the request's X-Mci-Region, are ever
 candidates: for the first attempt, the retries and a resumed stream's hops alike. When none
 is available the request fails closed (503), never sent elsewhere.
+
+With --pd-disaggregation the replicas are decode workers (--decode) and each attempt pairs one
+with a prefill worker (--prefill; router/pd.py): the same retries, resumes and residency rules
+hold for both kinds.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from mci.errors import UserError, error_body
 from mci.router.config import RouterConfig
 from mci.router.metrics import RouterMetrics
+from mci.router.pd import PDPairing, PrefillFailed
 from mci.router.policy import make_policy
 from mci.router.prefix_tree import PrefixTree
 from mci.router.resume import StreamRelay
@@ -175,22 +180,37 @@ class ProxySpan:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, urls: list[str]):
+    def __init__(self, config: RouterConfig, urls: list[str], prefill_urls: list[str] = ()):
+        """`urls`: the replicas (with --pd-disaggregation, the decode workers);
+        `prefill_urls`: the prefill workers (--pd-disaggregation only)."""
         self.config = config
         self.tracing = Tracing(config.otlp_traces_endpoint, "mci-router")
         self.pool = WorkerPool(urls, config.breaker_failures, config.breaker_cooldown)
         # the prompts routed to the replicas of each shared KV store (by its id)
         self.store_trees: dict[str, PrefixTree] = {}
-        self.policy = make_policy(
-            config.policy,
-            config.cache_threshold,
-            config.balance_abs_threshold,
-            config.balance_rel_threshold,
-            self.store_trees,
-        )
-        self.metrics = RouterMetrics(self.pool)
+        self.policy = self._policy(config.policy, self.store_trees)
+        self.pd: PDPairing | None = None
+        pools = [self.pool]
+        if config.pd_disaggregation:
+            # decode workers by load; prefill workers by --policy (their prompt caches)
+            self.policy = make_policy("least_load", 0, 0, 1)
+            prefill = WorkerPool(prefill_urls, config.breaker_failures, config.breaker_cooldown)
+            self.pd = PDPairing(prefill, None, self._allowed)
+            self.pd.policy = self._policy(config.policy, self.pd.store_trees)
+            pools.append(prefill)
+        self.metrics = RouterMetrics(pools)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         self.tenants = load_tenants(config.tenants)
+
+    def _policy(self, name: str, store_trees: dict[str, PrefixTree]):
+        cfg = self.config
+        return make_policy(
+            name,
+            cfg.cache_threshold,
+            cfg.balance_abs_threshold,
+            cfg.balance_rel_threshold,
+            store_trees,
+        )
 
     def reload_tenants(self) -> None:
         """SIGHUP: read the tenants file again. A broken file keeps the table in force (a
@@ -214,13 +234,14 @@ class Router:
         span: ProxySpan | None = None,
         *,
         residency: Residency,
-    ) -> tuple[Worker, httpx.Response] | JSONResponse:
+    ) -> tuple[Worker, httpx.Response] | Response:
         """Send the request to a replica and return its response, headers read and body not;
         retried on others before the first byte. An error response when none can take it.
         `span`: the request's, told of the retries and of the replica that answered. Only
         replicas `residency` allows are candidates, at every attempt (required: no caller may
         forget it); when none of them can take it, a 503 that names the constraint."""
         tried = set(exclude)
+        tried_prefill: set[str] = set()  # prefill workers that failed an attempt
         last = None
         for attempt in range(self.config.max_retries + 1):
             if attempt:
@@ -239,14 +260,33 @@ class Router:
                 worker.tree.insert(key)
                 if worker.store is not None:  # a hit on every replica sharing the store
                     self.store_trees.setdefault(worker.store, PrefixTree()).insert(key)
+            prefill = None
+            if self.pd is not None:
+                prefill = self.pd.choose(key, residency, tried_prefill)
             worker.in_flight += 1
             try:
-                upstream = await self.client.send(
-                    self.client.build_request(
+                if self.pd is None:
+                    request = self.client.build_request(
                         "POST", worker.url + path, content=raw, headers=headers
-                    ),
-                    stream=True,
-                )
+                    )
+                    upstream = await self.client.send(request, stream=True)
+                else:
+                    upstream = await self.pd.open(self.client, path, raw, headers, worker, prefill)
+            except PrefillFailed as exc:  # the decode worker did nothing wrong: it may retry
+                worker.in_flight -= 1
+                tried.discard(worker.url)
+                tried_prefill.add(exc.worker.url)
+                if exc.client_error is not None:  # the request's own fault: no retry helps
+                    answer = exc.client_error
+                    return Response(
+                        answer.content,
+                        status_code=answer.status_code,
+                        media_type=answer.headers.get("content-type"),
+                    )
+                self.pd.pool.failed(exc.worker)
+                self.pd.prefill_failures += 1
+                last = str(exc)
+                continue
             except httpx.TransportError as exc:
                 worker.in_flight -= 1
                 self.pool.failed(worker)
@@ -320,7 +360,7 @@ class Router:
             if relay is not None:
                 raw = relay.first_body()
         opened = await self.open(path, raw, key, headers, span=span, residency=residency)
-        if isinstance(opened, JSONResponse):
+        if isinstance(opened, Response):
             return opened
         worker, upstream = opened
         if not body.get("stream") or upstream.status_code != 200:
@@ -366,27 +406,36 @@ class Router:
             except httpx.HTTPError:
                 ok = False
             if ok:  # before any re-admission: a replica comes back with its labels of now
-                worker.labels, worker.store = await self._info(worker)
+                worker.labels, worker.store, worker.bootstrap = await self._info(worker)
             if worker.open_until and (not ok or time.monotonic() < worker.open_until):
                 if not ok:  # else its cooldown's end alone would let requests in again
                     worker.healthy = False
                 return  # ejected: out for its cooldown, then until a check passes
-            self.pool.health(worker, ok)
+            WorkerPool.health(worker, ok)
 
-        await asyncio.gather(*(one(w) for w in list(self.pool.workers.values())))
+        workers = list(self.pool.workers.values())
+        if self.pd is not None:
+            workers += list(self.pd.pool.workers.values())
+        await asyncio.gather(*(one(w) for w in workers))
 
-    async def _info(self, worker: Worker) -> tuple[Labels, str | None]:
-        """The worker's labels and shared store from its /server_info. None when it has none
-        or did not say (an older server, a timeout): then it is outside every region and pool
-        until a check reads them, while its health, and so unrestricted traffic, stays
-        /health's verdict; and its cache is its own."""
+    async def _info(self, worker: Worker) -> tuple[Labels, str | None, str | None]:
+        """The worker's labels, shared store and (a prefill worker's) bootstrap address from
+        its /server_info. None when it has none or did not say (an older server, a timeout):
+        then it is outside every region and pool until a check reads them, while its health,
+        and so unrestricted traffic, stays /health's verdict; its cache is its own; and it
+        cannot be a prefill worker."""
         try:
             r = await self.client.get(worker.url + "/server_info", timeout=2.0)
             info = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             info = None
-        store = info.get("hicache_store") if isinstance(info, dict) else None
-        return Labels.from_info(info), store if isinstance(store, str) and store else None
+        info = info if isinstance(info, dict) else {}
+        store, bootstrap = info.get("hicache_store"), info.get("disaggregation_bootstrap")
+        return (
+            Labels.from_info(info or None),
+            store if isinstance(store, str) and store else None,
+            bootstrap if isinstance(bootstrap, str) and bootstrap else None,
+        )
 
     async def health_loop(self) -> None:
         while True:
@@ -435,10 +484,15 @@ def build_router_app(router: Router) -> FastAPI:
 
     @app.get("/workers")
     async def workers():
+        roles = [("decode" if router.pd else "replica", router.pool)]
+        if router.pd is not None:
+            roles.append(("prefill", router.pd.pool))
         return {
             "workers": [
                 {
                     "url": w.url,
+                    "role": role,
+                    "bootstrap": w.bootstrap,
                     "region": w.labels.region,
                     "pool": w.labels.pool,
                     "hicache_store": w.store,
@@ -449,8 +503,14 @@ def build_router_app(router: Router) -> FastAPI:
                     "ejections": w.ejections,
                     "readmissions": w.readmissions,
                 }
-                for w in router.pool.workers.values()
-            ]
+                for role, pool in roles
+                for w in pool.workers.values()
+            ],
+            **(
+                {"pd": {"fallbacks": router.pd.fallbacks, "failures": router.pd.prefill_failures}}
+                if router.pd is not None
+                else {}
+            ),
         }
 
     @app.post("/workers")

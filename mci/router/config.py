@@ -35,6 +35,11 @@ class RouterConfig:
         "fail a stream whose replica dies mid-stream instead of continuing it on another "
         "replica (continuing is exact for greedy and seeded streams with n = 1)",
     )
+    pd_disaggregation: bool = option(
+        False,
+        "prefill-decode disaggregation: pair a prefill worker (--prefill, cache-aware by "
+        "--policy) with a decode worker (--decode, least loaded) for each request",
+    )
     tenants: str | None = option(
         None,
         "tenants file (JSON or YAML, as mci serve's): API keys -> tenants; a tenant's requests "

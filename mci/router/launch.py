@@ -23,20 +23,33 @@ class _RouterServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_router(config: RouterConfig, urls: list[str]) -> int:
+def run_router(
+    config: RouterConfig, urls: list[str], prefill: list[str] = (), decode: list[str] = ()
+) -> int:
+    """`urls`: the replicas; with --pd-disaggregation, `prefill` and `decode` workers instead."""
+    if config.pd_disaggregation:
+        if urls or not prefill or not decode:
+            raise UserError(
+                "mci router --pd-disaggregation takes --prefill URL ... and --decode URL ... "
+                "(not --worker-urls)"
+            )
+        urls = list(decode)
+    elif prefill or decode:
+        raise UserError("--prefill and --decode need --pd-disaggregation")
     if not urls:
         raise UserError("mci router needs --worker-urls URL ... (or add them: POST /workers)")
-    for url in urls:
+    for url in [*urls, *prefill]:
         if not url.startswith(("http://", "https://")):
-            raise UserError(f"--worker-urls: {url!r} is not an http(s) URL")
-    router = Router(config, urls)
+            raise UserError(f"{url!r} is not an http(s) URL")
+    router = Router(config, urls, list(prefill))
     if config.tenants is not None:  # uvicorn handles SIGINT/SIGTERM only: SIGHUP stays ours
         signal.signal(signal.SIGHUP, lambda *_: router.reload_tenants())
     log.info(
-        "router on http://%s:%d over %d replica(s), policy %s%s",
+        "router on http://%s:%d over %d %s, policy %s%s",
         config.host,
         config.port,
         len(urls),
+        f"decode worker(s) and {len(prefill)} prefill worker(s)" if prefill else "replica(s)",
         config.policy,
         f", {len(router.tenants.tenants)} tenant(s)" if config.tenants else "",
     )

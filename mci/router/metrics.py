@@ -12,7 +12,8 @@ from mci.tenancy.residency import REASONS
 
 
 class RouterMetrics:
-    def __init__(self, pool: WorkerPool):
+    def __init__(self, pools: list[WorkerPool]):
+        """`pools`: every kind of worker (the replicas; or decode and prefill workers)."""
         self.registry = r = CollectorRegistry()
         self.retries = Counter(
             "mci_router:retries", "Attempts on another replica before the first byte", registry=r
@@ -33,21 +34,21 @@ class RouterMetrics:
         )
         for reason in REASONS:  # shown (as 0) before the first rejection
             self.residency_rejections.labels(reason)
-        r.register(_PoolCollector(pool))
+        r.register(_PoolCollector(pools))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _PoolCollector:
-    def __init__(self, pool: WorkerPool):
-        self._pool = pool
+    def __init__(self, pools: list[WorkerPool]):
+        self._pools = pools
 
     def describe(self) -> list:
         return []
 
     def collect(self):
-        workers = list(self._pool.workers.values())
+        workers = [w for pool in self._pools for w in pool.workers.values()]
         families = {
             "requests": CounterMetricFamily(
                 "mci_router:requests", "Requests routed to the replica", labels=["worker"]

@@ -34,6 +34,8 @@ class Worker:
     readmissions: int = 0
     labels: Labels = field(default_factory=Labels)  # none until its /server_info is read
     store: str | None = None  # the id of the shared KV store it uses (its /server_info)
+    # a prefill worker's bootstrap server, host:port (its /server_info; PD disaggregation)
+    bootstrap: str | None = None
 
     @property
     def estimated_cache_hit_rate(self) -> float:
@@ -76,7 +78,8 @@ class WorkerPool:
             worker.open_until = time.monotonic() + self.breaker_cooldown_s
             worker.ejections += 1
 
-    def health(self, worker: Worker, ok: bool) -> None:
+    @staticmethod
+    def health(worker: Worker, ok: bool) -> None:
         """A health check's verdict."""
         if ok:
             if worker.ejected:

@@ -114,6 +114,8 @@ class OutputProcessor:
                 self._finish(req, "stop", stop)
         if not req.is_finished and len(req.output_ids) >= p.max_new_tokens:
             self._finish(req, "length", None)
+        if not req.is_finished and req.prefill_only:  # the decode side goes on from here
+            self._finish(req, "length", None)
 
     @staticmethod
     def _grammar_ends(req: Request, token: int) -> bool:

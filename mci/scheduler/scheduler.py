@@ -10,9 +10,14 @@ budget its chunk took goes back to the step, and it is requeued to be recomputed
 keeping the tokens it already generated. `update(batch, result)` applies what the runner
 produced. The scheduler never touches the model: a fake `SampleResult` drives it in tests.
 
-Invariants: a request is in exactly one of `waiting`, `running`, or finished; every request
-that enters via `add_request` leaves with exactly one final output (finished or aborted); the
-KV integrity check holds between steps.
+Prefill-decode disaggregation (scheduler/handoff.py): on the prefill side a request ends
+once its first new token is out, its KV held for the decode side; on the decode side a request
+is admitted into `receiving` (slots reserved, its KV read by the seam, nothing computed) and
+joins `running` with its first token when the KV has arrived.
+
+Invariants: a request is in exactly one of `waiting`, `receiving`, `running`, or finished;
+every request that enters via `add_request` leaves with exactly one final output (finished or
+aborted); the KV integrity check holds between steps.
 """
 
 from __future__ import annotations
@@ -27,6 +32,14 @@ from mci.core.outputs import QUEUE_TIMEOUT, REQUEST_TIMEOUT, RequestOutput
 from mci.core.request import Request, RequestStatus
 from mci.scheduler.config import SchedulerConfig
 from mci.scheduler.fair_share import VirtualTokenCounter
+from mci.scheduler.handoff import (
+    HandoffEvent,
+    HoldReleased,
+    KVArrived,
+    KVFailed,
+    KVHandoff,
+    SlotsSafe,
+)
 from mci.scheduler.output_processor import OutputProcessor
 
 log = logging.getLogger("mci")
@@ -53,6 +66,8 @@ class Scheduler:
         self.output_processor = output_processor
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.receiving: dict[str, Request] = {}  # decode side: reserved, KV on its way
+        self.handoff: KVHandoff | None = None  # disaggregation's seam (None: colocated)
         self.counters: Counter[str] = Counter()  # transitions and token counts, for metrics
         self.fair = VirtualTokenCounter()  # kept under every policy; `fair` orders by it
         # requests waiting or running, per tenant: kept as they come and go, so that an
@@ -70,6 +85,10 @@ class Scheduler:
                 f"request needs {req.max_total_tokens} KV tokens; the pool "
                 f"holds {self.kv.pool.num_slots}",
             )
+        if req.handoff is not None and self.handoff is None:
+            return self._abort(req, "this engine is not a prefill or decode worker")
+        if req.prefill_only:
+            self.handoff.expect(req)
         self.fair.arrive(req.share.tenant, req.share.weight, self.active_tenants())
         self.waiting.append(req)
         self._in_queues[req.share.tenant] += 1
@@ -86,7 +105,7 @@ class Scheduler:
             del self._in_queues[tenant]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.waiting, self.receiving.values()):
             for req in queue:
                 if req.request_id == request_id:
                     return self._abort(req, None)
@@ -94,7 +113,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        busy = self.handoff is not None and self.handoff.busy
+        return bool(self.waiting or self.running or self.receiving or busy)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -162,7 +182,13 @@ class Scheduler:
         cfg = self.config
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         for req in self._admission_order():
-            if len(self.running) >= cfg.max_running_requests or budget.left <= 0:
+            if len(self.running) + len(self.receiving) >= cfg.max_running_requests:
+                break
+            if req.receives_kv:  # nothing to compute: no prefill budget
+                if not self._admit_receiving(req):
+                    break
+                continue
+            if budget.left <= 0:
                 break
             if req.grammar is not None and not _grammar_ready(req):
                 continue  # still compiling: the others go ahead
@@ -177,14 +203,7 @@ class Scheduler:
             if self.kv.available < n + reserve:
                 self.kv.release(req)
                 break  # keep priority order: nobody behind it jumps the queue
-            if req.queue_clock is not None:
-                req.queue_clock.started = True
-            if req.num_preemptions == 0:
-                req.first_scheduled_time = time.monotonic()
-                req.num_cached_prompt_tokens = req.cached_len
-                req.cached_tokens_details = self.kv.cached_tokens_details(req)
-                self.counters["prefix_cache_queries"] += req.num_prompt_tokens
-                self.counters["prefix_cache_hits"] += req.cached_len
+            self._started(req)
             # not an assert: the allocation must happen under `python -O` too
             if not self.kv.allocate(req, n):  # cannot fail: `available` was checked above
                 raise RuntimeError(f"KV allocation of {n} slots failed after the check")
@@ -194,6 +213,92 @@ class Scheduler:
             self._plan(batch, req, n)
             budget.charge(req, n)
             prefilling.append(req)
+
+    def _started(self, req: Request) -> None:
+        """A request admitted: its queue clock stops; the first time, its cache report."""
+        if req.queue_clock is not None:
+            req.queue_clock.started = True
+        if req.num_preemptions == 0:
+            req.first_scheduled_time = time.monotonic()
+            req.num_cached_prompt_tokens = req.cached_len
+            req.cached_tokens_details = self.kv.cached_tokens_details(req)
+            self.counters["prefix_cache_queries"] += req.num_prompt_tokens
+            self.counters["prefix_cache_hits"] += req.cached_len
+
+    def _admit_receiving(self, req: Request) -> bool:
+        """Decode side: slots for every known token its own cache does not hold, then the seam
+        reads their KV from the prefill side. False when they do not fit now."""
+        self.kv.match(req)
+        n = req.num_uncomputed
+        reserve = self.config.decode_reserve_tokens * len(self.running)
+        if self.kv.available < n + reserve:
+            self.kv.release(req)
+            return False
+        self._started(req)
+        if not self.kv.allocate(req, n):  # cannot fail: `available` was checked above
+            raise RuntimeError(f"KV allocation of {n} slots failed after the check")
+        self.waiting.remove(req)
+        self.receiving[req.request_id] = req
+        self.counters["kv_transfers_reserved"] += 1
+        self.handoff.reserve(req)
+        return True
+
+    def take_handoffs(self) -> list[RequestOutput]:
+        """Apply what the disaggregation seam reported since the last step (its threads never
+        touch the pool, the tree or the queues); returns the outputs that causes."""
+        if self.handoff is None:
+            return []
+        outputs = []
+        for event in self.handoff.poll():
+            out = self._apply_handoff(event)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _apply_handoff(self, event: HandoffEvent) -> RequestOutput | None:
+        if isinstance(event, HoldReleased):
+            self.kv.unhold(event.hold_id)
+            return None
+        if isinstance(event, SlotsSafe):
+            self.kv.end_quarantine(event.request_id)
+            return None
+        req = self.receiving.get(event.request_id)
+        if req is None:
+            return None  # it ended meanwhile (aborted: the seam was told)
+        if isinstance(event, KVFailed):
+            del self.receiving[req.request_id]
+            self._left_queues(req)
+            if not event.slots_safe:
+                self.kv.quarantine(req)
+            self.kv.release(req)
+            self.counters["kv_transfers_failed"] += 1
+            self.counters["aborted"] += 1
+            return self.output_processor.on_abort(req, event.error)
+        return self._kv_arrived(req, event)
+
+    def _kv_arrived(self, req: Request, event: KVArrived) -> RequestOutput:
+        """The request's known tokens are computed now (their KV was read): it goes into the
+        tree, joins the running batch and takes its first token as if sampled here."""
+        del self.receiving[req.request_id]
+        req.handoff = None  # from here a request like any other (a preemption recomputes)
+        self.counters["kv_transfers_done"] += 1
+        self.counters["kv_transfer_tokens"] += req.num_tokens - req.cached_len
+        req.num_computed_tokens = req.num_tokens
+        req.num_cached_prompt_tokens = event.cached_tokens  # computing was the prefill side's
+        self.kv.cache_prefix(req)
+        if req.prompt_logprobs is not None and event.prompt_logprobs is not None:
+            req.prompt_logprobs = list(event.prompt_logprobs)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if req.params.max_new_tokens == 0:  # scoring only: done with its prompt
+            out = self.output_processor.on_prompt_only(req)
+        else:
+            out = self.output_processor.on_tokens(req, list(event.token_ids), list(event.logprobs))
+            self.counters["generation_tokens"] += len(out.new_token_ids)
+            self.fair.charge(req.share.tenant, 0, len(event.token_ids))
+        if req.is_finished:
+            self._retire(req)
+        return out
 
     def update(self, batch: ScheduledBatch, result: SampleResult) -> list[RequestOutput]:
         """Apply a step's results: record prompt logprobs, advance token accounting (a prompt
@@ -249,6 +354,8 @@ class Scheduler:
 
     def _retire(self, req: Request) -> None:
         self.counters[f"finished_{req.finish_reason}"] += 1
+        if req.prefill_only:  # its KV stays until the decode side has read it
+            self.handoff.offer(req, self.kv.hold(req))
         self.kv.release(req)
         self.running.remove(req)
         self._left_queues(req)
@@ -338,6 +445,12 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
             self._left_queues(req)
+        elif self.receiving.pop(req.request_id, None) is not None:
+            self._left_queues(req)
+            if not self.handoff.cancel(req):
+                self.kv.quarantine(req)  # a read may still land in its slots
+        if req.prefill_only and self.handoff is not None:
+            self.handoff.withdraw(req, error or "aborted")
         self.kv.release(req)
         self.counters["aborted"] += 1
         return self.output_processor.on_abort(req, error)
@@ -345,7 +458,9 @@ class Scheduler:
     def expire_deadlines(self) -> list[RequestOutput]:
         now = time.monotonic()
         expired = [
-            r for r in self.running + self.waiting if r.deadline is not None and r.deadline < now
+            r
+            for r in self.running + self.waiting + list(self.receiving.values())
+            if r.deadline is not None and r.deadline < now
         ]
         outputs = [self._abort(r, REQUEST_TIMEOUT) for r in expired]
         queued_too_long = [
@@ -368,7 +483,8 @@ class Scheduler:
 
     def abort_all(self, error: str) -> list[RequestOutput]:
         """Fail every request (engine shutdown or a failed step)."""
-        return [self._abort(r, error) for r in list(self.running) + list(self.waiting)]
+        everyone = list(self.running) + list(self.waiting) + list(self.receiving.values())
+        return [self._abort(r, error) for r in everyone]
 
 
 def _grammar_ready(req: Request) -> bool:

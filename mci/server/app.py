@@ -29,6 +29,7 @@ from mci.core.sampling_params import SamplingParams
 from mci.server import requests, responses
 from mci.server.errors import RETRY_AFTER_S, HTTPError, install_error_handlers
 from mci.server.guard import GuardMiddleware
+from mci.server.handoff import bootstrap_address, handoff_of
 from mci.server.openai_types import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -266,6 +267,8 @@ def build_app(state: ServerState) -> FastAPI:
             "pool": state.config.pool,
             "model": state.model_name,
             "hicache_store": shared_store(state.hicache_store, state.engine.stats.get("hicache")),
+            "disaggregation_mode": state.disaggregation.disaggregation_mode,
+            "disaggregation_bootstrap": bootstrap_address(state.disaggregation),
         }
 
     @app.get("/internal/state", include_in_schema=False)
@@ -314,6 +317,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", responses=_responses(CompletionResponse, stream=True))
     async def completions(body: CompletionRequest, request: Request):
         _check_model(state, body.model)
+        handoff = handoff_of(request.headers, state.disaggregation)
         params = requests.completion_params(body)
         texts = requests.completion_prompts(body)
         got = _prompt_ids(state, texts, params, requests.COMPLETION_NAMES, body.token_healing)
@@ -327,7 +331,9 @@ def build_app(state: ServerState) -> FastAPI:
         rid = new_request_id("cmpl")
         trace = _trace_parent(state, request)
         priority = _priority(body.priority, tenant)
-        sub = Submission(state, rid, got.computed, got.params, priority, resume, trace, tenant)
+        sub = Submission(
+            state, rid, got.computed, got.params, priority, resume, trace, tenant, handoff
+        )
         ctx = StreamContext(
             state,
             sub,
@@ -351,6 +357,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
+        handoff = handoff_of(request.headers, state.disaggregation)
         with requests.reported_as(requests.CHAT_NAMES):
             tools = plan_tools(body.tools, body.tool_choice, state.tool_format)
         reasoning = state.config.reasoning_parser is not None
@@ -366,7 +373,7 @@ def build_app(state: ServerState) -> FastAPI:
         rid = new_request_id("chatcmpl")
         trace = _trace_parent(state, request)
         priority = _priority(body.priority, tenant)
-        sub = Submission(state, rid, [ids], params, priority, resume, trace, tenant)
+        sub = Submission(state, rid, [ids], params, priority, resume, trace, tenant, handoff)
         if body.stream:
             ctx = StreamContext(
                 state,
@@ -394,6 +401,7 @@ def build_app(state: ServerState) -> FastAPI:
     )
     async def native_generate(body: GenerateRequest, request: Request):
         """SGLang's native API: text or input_ids, sampling_params, stream."""
+        handoff = handoff_of(request.headers, state.disaggregation)
         params = requests.native_params(body.sampling_params)
         prompts = requests.generate_prompts(body)
         single = isinstance(body.text, str) or (
@@ -407,7 +415,16 @@ def build_app(state: ServerState) -> FastAPI:
         rid = new_request_id("gen")
         trace = _trace_parent(state, request)
         priority = _priority(body.priority, tenant)
-        sub = Submission(state, rid, got.computed, got.params, priority, trace=trace, tenant=tenant)
+        sub = Submission(
+            state,
+            rid,
+            got.computed,
+            got.params,
+            priority,
+            trace=trace,
+            tenant=tenant,
+            handoff=handoff,
+        )
         if body.stream:
             ctx = StreamContext(state, sub, rid, list(zip(prompts, encoded)), params)
             return await streaming_response(stream_native(ctx), ctx, request)

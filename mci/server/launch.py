@@ -84,6 +84,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         name,
         engine_config.scheduler.max_running_requests,
         hicache_store=shared_store_id(engine_config.cache),
+        disaggregation=engine_config.disaggregation,
     )
     log.info(
         "model %s (%s) from %s: %.1f MB of weights",

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mci.disaggregation.config import DisaggregationConfig
 from mci.engine.request_front import RequestFront
 from mci.grammar.cache import xgrammar_cache
 from mci.model_config import ModelConfig
@@ -44,6 +45,8 @@ class ServerState:
     quotas: TenantQuotas = field(default_factory=TenantQuotas)
     draining: bool = False
     hicache_store: str | None = None  # the id of the shared KV store (mci/cache/tiers.py)
+    # prefill-decode disaggregation: this worker's role (the engine's section)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     memory_gauge: MemoryGauge = field(default_factory=MemoryGauge)
 
     def __post_init__(self):

@@ -12,7 +12,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from mci.core.outputs import QUEUE_TIMEOUT, REQUEST_TIMEOUT, RequestOutput
-from mci.core.request import Resume, TenantShare
+from mci.core.request import KVHandoff, Resume, TenantShare
 from mci.core.request_ids import prompt_request_id
 from mci.core.sampling_params import SamplingParams
 from mci.engine.commands import AddRequest
@@ -48,11 +48,13 @@ class Submission:
         resume: Resume | None = None,
         trace: Context | None = None,
         tenant: Tenant | None = None,
+        handoff: KVHandoff | None = None,
     ):
         """`params`: for every prompt, or one each (token healing makes them differ).
         `trace`: the parent of the samples' spans (the request's traceparent; an empty
         context starts a trace), None for no spans (tracing off, health probes).
-        `tenant`: whose it is, admitted against its quotas (None: a health probe's)."""
+        `tenant`: whose it is, admitted against its quotas (None: a health probe's).
+        `handoff`: the request's room in a disaggregated pair (prompt k's is `room-pk`)."""
         self.state = state
         self.rid = rid
         self.trace = trace
@@ -86,6 +88,7 @@ class Submission:
                     resume,
                     queue_timeout,
                     share,
+                    None if handoff is None else handoff.for_prompt(k),
                 )
                 for sid, _ in state.engine.submit(command, queue=self.queue):
                     self.index[sid] = len(self.index)
