@@ -21,6 +21,7 @@ import torch
 
 from mci.core.request import KVHandoff
 from mci.core.sampling_params import SamplingParams
+from mci.disaggregation.region import KVRegion, read_plan
 from mci.engine.config import engine_config_from_fields
 from mci.engine.engine import Engine
 from mci.layers.linear import bf16_matmuls_supported
@@ -275,3 +276,27 @@ def test_a_prefill_engine_gone_mid_handoff_fails_the_decode_request_and_frees_it
     finally:
         decode.shutdown()
         prefill.shutdown()
+
+
+def test_a_read_plan_covers_each_row_once_in_runs():
+    """Every (layer, position) row is read once, from its slot there into its slot here, with
+    runs consecutive on both sides merged (the pool hands slots out descending)."""
+    kv = torch.zeros(3, 64, 8)
+    here, there = KVRegion.of("here", kv), KVRegion.of("there", torch.zeros(3, 64, 8))
+    local, peer = list(range(20, 10, -1)) + [40, 42], list(range(9, -1, -1)) + [50, 51]
+    local_addrs, peer_addrs, lengths = read_plan(here, local, there, peer)
+    assert len(lengths) == 3 * 3  # per layer: one run of 10, then two single rows
+    row = here.row_bytes
+    copied = {}
+    for a, b, n in zip(local_addrs, peer_addrs, lengths, strict=True):
+        for k in range(n // row):
+            copied[a + k * row] = b + k * row
+    for layer in range(3):
+        for mine, theirs in zip(local, peer, strict=True):
+            a = here.base + layer * here.layer_stride + mine * row
+            assert copied[a] == there.base + layer * there.layer_stride + theirs * row
+    assert len(copied) == 3 * len(local)
+    with pytest.raises(ValueError, match="layouts differ"):
+        read_plan(here, local, KVRegion.of("x", torch.zeros(2, 64, 8)), peer)
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        read_plan(here, [64], there, [0])

@@ -160,8 +160,8 @@ class PrefillSide:
         self.transport.close()
 
     def _reap(self, now: float) -> None:
-        """Rooms nobody came for: an offer unclaimed past the timeout is released; rooms that
-        ended long ago are forgotten."""
+        """Rooms nobody came for: an offer unclaimed past its bound is released; rooms that
+        ended long ago (failed, or given up by their decode side) are forgotten."""
         with self._lock:
             for name, room in list(self._rooms.items()):
                 if room.claimed:
@@ -238,8 +238,10 @@ class PrefillSide:
             if name is not None:
                 with self._lock:
                     room = self._rooms.get(name)
-                    if room is not None and (room.claimed or room.error is not None):
+                    if room is not None and room.claimed:
                         del self._rooms[name]
+                    elif room is not None:  # an offer coming later is released at once
+                        room.abandoned = True
             sock.close()
 
     def _claim(self, sock: socket.socket, name: str) -> tuple[dict, int] | None:
