@@ -157,14 +157,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
-    from mci.tools.make_checkpoint import PRESETS, make_checkpoint, preset_config
+    from mci.tools.make_checkpoint import PRESETS, long_context, make_checkpoint, preset_config
 
     if args.size not in PRESETS:
         raise UserError(f"unknown size {args.size!r} (choose {', '.join(PRESETS)})")
     shard = int(args.shard_size_mb * 2**20) if args.shard_size_mb else None
+    cfg = preset_config(args.size)
+    if args.context is not None:
+        cfg = long_context(cfg, args.context)
     out = make_checkpoint(
         args.out,
-        preset_config(args.size),
+        cfg,
         seed=args.seed,
         dtype=args.dtype,
         fp8=args.fp8,
@@ -338,6 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     m.add_argument("--fp8", action="store_true", help="FP8 e4m3 with 128x128 block scales")
     m.add_argument("--no-mtp", action="store_true", help="omit the MTP layer's weights")
+    m.add_argument(
+        "--context",
+        type=_positive_int,
+        default=None,
+        help="context length; past the size's own, YaRN rope as DeepSeek-V3 (e.g. 32768)",
+    )
     m.add_argument(
         "--shard-size-mb", type=float, default=None, help="shard into files of this size"
     )

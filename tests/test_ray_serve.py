@@ -154,3 +154,59 @@ def test_serve_ray_autoscales_routes_by_cache_and_stops(tmp_path):
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(30)
         log.close()
+
+
+def test_serve_ray_deploys_prefill_and_decode_as_two_deployments(tmp_path):
+    """--pd-disaggregation: mci-prefill and mci-decode, each its own deployment with its own
+    replica count, one ingress that pairs them; the answers equal a colocated engine's."""
+    from mci.core.sampling_params import SamplingParams
+    from mci.engine.config import engine_config_from_fields
+    from mci.engine.engine import Engine
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve-ray.log", "w")
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "mci", "serve-ray", "--port", str(port),
+            "--pd-disaggregation", "--prefill-min-replicas", "1", "--prefill-max-replicas", "1",
+            "--min-replicas", "1", "--max-replicas", "1", "--cpus-per-replica", "1",
+            "--skip-kernel-warmup", "--dtype", "float32",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve-ray.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "serve-ray did not become healthy"
+            time.sleep(1)
+        status = httpx.get(url + "/ray/status", timeout=30).json()["mci"]
+        assert set(status) == {"mci-ingress", "mci-prefill", "mci-decode"}
+        assert status["mci-prefill"]["replica_states"].get("RUNNING") == 1
+        assert status["mci-decode"]["replica_states"].get("RUNNING") == 1
+        prompts = ["def fibonacci(n):", "import os\nimport sys\n" * 10]
+        config = engine_config_from_fields({"dtype": "float32", "skip_kernel_warmup": True})
+        with Engine(config) as engine:
+            params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+            want = engine.generate(prompts, params)
+
+        async def through_ray():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return [await _stream(client, url, p, 12) for p in prompts]
+
+        got = asyncio.run(through_ray())
+        assert [text for text, _, _ in got] == [w.outputs[0].text for w in want]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        log.close()

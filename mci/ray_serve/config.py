@@ -31,6 +31,13 @@ class RayServeConfig:
     cpus_per_replica: float = option(
         1.0, "CPUs Ray reserves per replica (also its OpenMP threads, at least 1)"
     )
+    pd_disaggregation: bool = option(
+        False,
+        "prefill-decode disaggregation: a prefill deployment (--prefill-min/max-replicas) and "
+        "a decode deployment (--min/max-replicas); the ingress pairs one of each per request",
+    )
+    prefill_min_replicas: int = option(1, "--pd-disaggregation: fewest prefill replicas")
+    prefill_max_replicas: int = option(1, "--pd-disaggregation: most prefill replicas")
     request_router: str = option(
         "cache_aware",
         "which replica takes a request: mci's cache-aware policy, or Ray Serve's default",
@@ -41,6 +48,8 @@ class RayServeConfig:
         check_choices(self)
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             raise UserError("need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1")
+        if not 1 <= self.prefill_min_replicas <= self.prefill_max_replicas:
+            raise UserError("need 1 <= --prefill-min-replicas <= --prefill-max-replicas")
         for name, value in (
             ("--target-ongoing-requests", self.target_ongoing_requests),
             ("--max-ongoing-requests", self.max_ongoing_requests),

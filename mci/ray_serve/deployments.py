@@ -8,6 +8,12 @@ MciReplica owns one `mci serve` replica in a child process on a loopback port
 engine crash recovery and drain. Its methods stream the server's answer back: first a head
 (status, content type, which replica), then the body's bytes as they come.
 
+With --pd-disaggregation there are two replica deployments, mci-prefill and mci-decode, each
+scaled on its own: for each attempt the ingress sends the request to a prefill replica first
+(under a fresh room; its answer's head names the replica's bootstrap server), then to a
+decode replica with that address, which reads the KV from it and answers the client
+(router/pd.py describes the pairing; a failed prefill is tried again on another).
+
 MciIngress is the OpenAI endpoint: it admits the request (ray_serve/residency.py: the
 tenant's key, and whether the deployment's region and pool labels may serve it, else a
 fail-closed 503), reads the body once, computes the prompt's routing key (router/app.py's
@@ -24,6 +30,7 @@ import dataclasses
 import json
 import logging
 import time
+import uuid
 
 import httpx
 from ray import serve
@@ -43,7 +50,9 @@ from mci.router.app import (
     retry_delay_s,
     routing_key,
 )
+from mci.router.pd import ADDR_HEADER, ROOM_HEADER, prefill_body
 from mci.server.config import ServerConfig
+from mci.server.handoff import bootstrap_address
 from mci.tenancy.residency import Labels
 
 log = logging.getLogger("mci")
@@ -57,6 +66,14 @@ class MciReplica:
 
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, threads: int):
         config = dataclasses.replace(server_config, port=free_loopback_port())
+        self.bootstrap = None  # a prefill replica's bootstrap server: a port of its own
+        handoff = engine_config.disaggregation
+        if handoff.disaggregation_mode == "prefill":
+            handoff = dataclasses.replace(
+                handoff, disaggregation_bootstrap_port=free_loopback_port()
+            )
+            engine_config = dataclasses.replace(engine_config, disaggregation=handoff)
+            self.bootstrap = bootstrap_address(handoff)
         self.replica = ReplicaProcess(engine_config, config, threads)
         try:
             self.replica.wait_ready(time.monotonic() + REPLICA_START_S)
@@ -77,6 +94,7 @@ class MciReplica:
                 "content_type": response.headers.get("content-type", "application/json"),
                 "retry_after": response.headers.get("retry-after"),
                 "replica": self.name,
+                "bootstrap": self.bootstrap,
             }
             async for chunk in response.aiter_raw():
                 yield chunk
@@ -109,8 +127,16 @@ class MciReplica:
 class MciIngress:
     """The OpenAI endpoint in front of the MciReplica deployment."""
 
-    def __init__(self, replicas, server_config: ServerConfig | None = None, max_retries: int = 3):
+    def __init__(
+        self,
+        replicas,
+        server_config: ServerConfig | None = None,
+        max_retries: int = 3,
+        prefill=None,
+    ):
+        """`replicas`: the replica deployment (with `prefill`, the decode replicas)."""
         self.replicas = replicas
+        self.prefill = prefill  # --pd-disaggregation: the prefill replicas
         self.max_retries = max_retries
         config = server_config or ServerConfig()
         # the file is read here, on the ingress's node: no key travels through Ray's store
@@ -143,12 +169,21 @@ class MciIngress:
             return parsed
         raw, body, headers = parsed
         key = routing_key(path, body)
-        last, tried = "no replica is available", []
+        last, tried, tried_prefill = "no replica is available", [], []
         for attempt in range(self.max_retries + 1):
             if attempt:
                 await asyncio.sleep(retry_delay_s(attempt))
+            hop = headers
+            if self.prefill is not None:
+                paired = await self._prefill(path, raw, key, headers, tried_prefill)
+                if isinstance(paired, Response):
+                    return paired  # the request's own error
+                if isinstance(paired, str):
+                    last = paired
+                    continue
+                hop = paired
             stream = self.replicas.options(stream=True).forward.remote(
-                path=path, body=raw, routing_key=key, headers=headers, exclude=tuple(tried)
+                path=path, body=raw, routing_key=key, headers=hop, exclude=tuple(tried)
             )
             try:
                 head = await stream.__anext__()
@@ -167,6 +202,30 @@ class MciIngress:
         response = error_response(503, f"no replica could take the request ({last})")
         response.headers["Retry-After"] = "1"
         return response
+
+    async def _prefill(self, path: str, raw: bytes, key, headers: dict, tried: list):
+        """A prefill replica computes the prompt under a fresh room and holds its KV: the
+        decode hop's headers (the room, the replica's bootstrap server); or why it failed
+        (a str: try again, that replica excluded), or the request's own error (a Response)."""
+        room = uuid.uuid4().hex
+        stream = self.prefill.options(stream=True).forward.remote(
+            path=path,
+            body=prefill_body(raw),
+            routing_key=key,
+            headers={**headers, ROOM_HEADER: room},
+            exclude=tuple(tried),
+        )
+        try:
+            head = await stream.__anext__()
+            body = b"".join([chunk async for chunk in stream])
+        except (RayError, StopAsyncIteration) as exc:
+            return f"prefill replica failed: {type(exc).__name__}"
+        if head["status"] == 200 and head["bootstrap"]:
+            return {**headers, ROOM_HEADER: room, ADDR_HEADER: head["bootstrap"]}
+        tried.append(head["replica"])
+        if 400 <= head["status"] < 500 and head["status"] != 429:
+            return Response(body, status_code=head["status"], media_type=head["content_type"])
+        return f"prefill replica {head['replica']} answered {head['status']}"
 
 
 def _relay(stream, head: dict) -> StreamingResponse:

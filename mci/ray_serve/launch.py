@@ -10,6 +10,7 @@ Ray places them, so the model path must exist on every node.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -48,30 +49,49 @@ def build_application(
         )
     else:
         router = RequestRouterConfig()  # Ray Serve's power of two choices
-    replica = serve.deployment(MciReplica).options(
-        name="mci-replica",
-        autoscaling_config={
-            "min_replicas": ray_config.min_replicas,
-            "initial_replicas": max(1, ray_config.min_replicas),
-            "max_replicas": ray_config.max_replicas,
-            "target_ongoing_requests": ray_config.target_ongoing_requests,
-            "upscale_delay_s": ray_config.upscale_delay_s,
-            "downscale_delay_s": ray_config.downscale_delay_s,
-        },
-        max_ongoing_requests=ray_config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": ray_config.cpus_per_replica},
-        request_router_config=router,
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
-        health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
-        graceful_shutdown_timeout_s=server_config.drain_timeout,
-    )
+
+    def replicas(name: str, least: int, most: int):
+        return serve.deployment(MciReplica).options(
+            name=name,
+            autoscaling_config={
+                "min_replicas": least,
+                "initial_replicas": max(1, least),
+                "max_replicas": most,
+                "target_ongoing_requests": ray_config.target_ongoing_requests,
+                "upscale_delay_s": ray_config.upscale_delay_s,
+                "downscale_delay_s": ray_config.downscale_delay_s,
+            },
+            max_ongoing_requests=ray_config.max_ongoing_requests,
+            ray_actor_options={"num_cpus": ray_config.cpus_per_replica},
+            request_router_config=router,
+            health_check_period_s=HEALTH_CHECK_PERIOD_S,
+            health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+            graceful_shutdown_timeout_s=server_config.drain_timeout,
+        )
+
     ingress = serve.deployment(MciIngress).options(
         name="mci-ingress",
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000,  # the replicas bound the load; the ingress only relays
     )
     threads = max(1, int(ray_config.cpus_per_replica))
-    return ingress.bind(replica.bind(engine_config, server_config, threads), server_config)
+    least, most = ray_config.min_replicas, ray_config.max_replicas
+    if not ray_config.pd_disaggregation:
+        replica = replicas("mci-replica", least, most)
+        return ingress.bind(replica.bind(engine_config, server_config, threads), server_config)
+    # two roles, two deployments, each scaled on its own (docs/disaggregation.md)
+    decode = replicas("mci-decode", least, most).bind(
+        _role(engine_config, "decode"), server_config, threads
+    )
+    prefill = replicas(
+        "mci-prefill", ray_config.prefill_min_replicas, ray_config.prefill_max_replicas
+    ).bind(_role(engine_config, "prefill"), server_config, threads)
+    return ingress.bind(decode, server_config, prefill=prefill)
+
+
+def _role(engine_config: EngineConfig, mode: str) -> EngineConfig:
+    section = dataclasses.replace(engine_config.disaggregation, disaggregation_mode=mode)
+    return dataclasses.replace(engine_config, disaggregation=section)
 
 
 def serve_ray(
@@ -85,6 +105,11 @@ def serve_ray(
     if engine_config.parallel.world_size > 1 or server_config.dp_size > 1:
         raise UserError(
             "mci serve-ray scales by replicas: leave --tp-size/--ep-size/--dp-size at 1"
+        )
+    if engine_config.disaggregation.enabled:
+        raise UserError(
+            "mci serve-ray sets each deployment's --disaggregation-mode itself: "
+            "use --pd-disaggregation"
         )
     ray.init(address=ray_config.ray_address, include_dashboard=False, namespace="mci")
     stop = threading.Event()  # after ray.init, which installs a SIGTERM handler of its own

@@ -90,6 +90,26 @@ def preset_config(size: str, **overrides) -> ModelConfig:
     return dataclasses.replace(PRESETS[size], **overrides)
 
 
+def long_context(cfg: ModelConfig, context: int) -> ModelConfig:
+    """`cfg` stretched to `context` positions the way DeepSeek-V3 stretches its 4,096: YaRN
+    over the original context (factor context / original, beta 32 / 1, mscale 1 on every
+    dimension)."""
+    original = cfg.max_position_embeddings
+    if context <= original:
+        return dataclasses.replace(cfg, max_position_embeddings=context)
+    rope = RopeConfig(
+        theta=cfg.rope.theta,
+        rope_type="yarn",
+        factor=context / original,
+        original_max_position_embeddings=original,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    )
+    return dataclasses.replace(cfg, max_position_embeddings=context, rope=rope)
+
+
 def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, bias_std: float):
     """Weights that keep activations O(1): fan-in scaled linears, unit embeddings, noisy norms."""
     if name.endswith("e_score_correction_bias"):
