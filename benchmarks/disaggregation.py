@@ -167,7 +167,7 @@ def random_ids(rng: random.Random, n: int) -> list[int]:
 
 async def bursts_level(url: str, rate: float, args, seed: int) -> dict:
     """Steady streams plus long prompts at `rate` per second, for args.seconds."""
-    rng = random.Random(seed)
+    rng, arrival = random.Random(seed), random.Random(seed + 1000)  # arrivals alike in each run
     steady, long = [], []
     stop_at = time.perf_counter() + args.seconds
     async with httpx.AsyncClient(timeout=600) as client:
@@ -180,7 +180,7 @@ async def bursts_level(url: str, rate: float, args, seed: int) -> dict:
         async def arrivals():
             tasks = []
             while True:
-                await asyncio.sleep(rng.expovariate(rate))
+                await asyncio.sleep(arrival.expovariate(rate))
                 if time.perf_counter() >= stop_at:
                     break
                 prompt = random_ids(rng, args.long_prompt)

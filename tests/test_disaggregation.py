@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from mci.core.request import KVHandoff
+from mci.core.request import KVHandoff, Request
 from mci.core.sampling_params import SamplingParams
 from mci.disaggregation.region import KVRegion, read_plan
 from mci.engine.config import engine_config_from_fields
@@ -300,3 +300,18 @@ def test_a_read_plan_covers_each_row_once_in_runs():
         read_plan(here, local, KVRegion.of("x", torch.zeros(2, 64, 8)), peer)
     with pytest.raises(ValueError, match="outside the KV pool"):
         read_plan(here, [64], there, [0])
+
+
+def test_a_room_still_computing_is_never_reaped(trio):
+    """However long a prompt takes on the prefill side, its room waits for its offer (a
+    reaper that forgot it would tell the decode side it was never received); a room that
+    ended is forgotten after the bound."""
+    _, prefill, _ = trio
+    side = prefill.scheduler.handoff
+    req = Request("slow", [1, 2, 3], SamplingParams(max_new_tokens=1), handoff=KVHandoff("slow"))
+    side.expect(req)
+    side._reap(time.monotonic() + 1e6)
+    assert "slow" in side._rooms
+    side.withdraw(req, "aborted")
+    side._reap(time.monotonic() + 1e6)
+    assert "slow" not in side._rooms

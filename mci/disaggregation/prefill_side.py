@@ -165,7 +165,10 @@ class PrefillSide:
         with self._lock:
             for name, room in list(self._rooms.items()):
                 if room.claimed:
-                    continue
+                    continue  # its handler forgets it
+                computing = room.expected and room.offer is None and room.error is None
+                if computing:
+                    continue  # its request is in the engine: an offer or a withdrawal follows
                 since = room.offered_at if room.offer is not None else room.created
                 if now - since < UNCLAIMED_FACTOR * self.timeout_s:
                     continue

@@ -53,6 +53,11 @@ LPM_MAX_WAIT_S = 10.0
 # Defer a request whose prompt shares at least this many uncached tokens with a prompt still
 # being prefilled: once that prefill lands in the radix tree, it reuses it instead.
 SHARED_PREFIX_DEFER_TOKENS = 32
+# Decode side: KV each decoding request may still grow into, kept free when a request's KV is
+# reserved (SGLang's decode side reserves 512 too). A decode worker admits reservations as
+# fast as they come (nothing to compute), so without it they would fill the pool and force
+# running streams out, to be recomputed: a prefill on the decode worker.
+DECODE_HEADROOM_TOKENS = 512
 
 
 class Scheduler:
@@ -230,8 +235,7 @@ class Scheduler:
         reads their KV from the prefill side. False when they do not fit now."""
         self.kv.match(req)
         n = req.num_uncomputed
-        reserve = self.config.decode_reserve_tokens * len(self.running)
-        if self.kv.available < n + reserve:
+        if self.kv.available < n + self._decode_headroom() + _headroom(req):
             self.kv.release(req)
             return False
         self._started(req)
@@ -242,6 +246,10 @@ class Scheduler:
         self.counters["kv_transfers_reserved"] += 1
         self.handoff.reserve(req)
         return True
+
+    def _decode_headroom(self) -> int:
+        """What the running and receiving requests may still grow into (each capped)."""
+        return sum(map(_headroom, self.running)) + sum(map(_headroom, self.receiving.values()))
 
     def take_handoffs(self) -> list[RequestOutput]:
         """Apply what the disaggregation seam reported since the last step (its threads never
@@ -485,6 +493,10 @@ class Scheduler:
         """Fail every request (engine shutdown or a failed step)."""
         everyone = list(self.running) + list(self.waiting) + list(self.receiving.values())
         return [self._abort(r, error) for r in everyone]
+
+
+def _headroom(req: Request) -> int:
+    return max(0, min(req.params.max_new_tokens - len(req.output_ids), DECODE_HEADROOM_TOKENS))
 
 
 def _grammar_ready(req: Request) -> bool:
