@@ -11,7 +11,7 @@
              then their second turn: TTFT with the file store vs without
   cross      two replicas sharing one store: N prompts computed on replica 1, then sent to
              replica 2: its hit rate (cached / prompt tokens) and TTFT vs replicas without it
-  hitcost    in-process: a prefix of 1k/2k/4k tokens computed, loaded from L2, loaded from L3
+  hitcost    in-process: a prefix of 1k/2k/4k (--prefixes) tokens computed, loaded from L2, from L3
              (a fresh engine on the store): time to the first token and its cost per token
 
     python benchmarks/hicache.py --parts multiturn,restart,cross,hitcost
@@ -237,11 +237,13 @@ def part_hitcost(model: Path, args) -> dict:
         for n in args.prefixes
     }
     out = {n: {} for n in prefixes}
+    pool = max(9000, max(prefixes) + 2000)  # a prefix fits, and 3 floods of a third evict it
+    flood = pool // 3 + 1
     with tempfile.TemporaryDirectory() as store:
 
         def engine() -> Engine:
             cache = CacheConfig(
-                max_total_tokens=9000,
+                max_total_tokens=pool,
                 enable_hierarchical_cache=True,
                 hicache_size=args.l2_gib,
                 hicache_page_size=PAGE,
@@ -263,8 +265,8 @@ def part_hitcost(model: Path, args) -> dict:
         e.generate([rng.randrange(3, 8000) for _ in range(500)], one)  # first-request costs
         for n, group in prefixes.items():
             out[n]["computed_ms"] = statistics.median(timed(e, ids) for ids in group)
-            for _ in range(3):  # evict them from the pool: 9,000 tokens of others
-                e.generate([rng.randrange(3, 8000) for _ in range(3000)], one)
+            for _ in range(3):  # evict them from the pool: a pool's worth of others
+                e.generate([rng.randrange(3, 8000) for _ in range(flood)], one)
             out[n]["l2_ms"] = statistics.median(timed(e, ids) for ids in group)
         out["l2_load_us_per_token"] = per_token_us(e, "host")
         e.kv.tiers.flush()

@@ -44,7 +44,7 @@ PROMPTS = [
 TIMEOUT_S = 2.0
 
 
-def make(path, mode: str, dtype: str = "float32", **fields) -> Engine:
+def make(path, mode: str, dtype: str = "float32", checked: bool = True, **fields) -> Engine:
     config = engine_config_from_fields(
         {
             "model_path": path,
@@ -58,7 +58,7 @@ def make(path, mode: str, dtype: str = "float32", **fields) -> Engine:
         }
     )
     # slot accounting checked after every step (holds and quarantines included)
-    return Engine(dataclasses.replace(config, check_integrity=True))
+    return Engine(dataclasses.replace(config, check_integrity=checked))
 
 
 class Run:
@@ -315,3 +315,34 @@ def test_a_room_still_computing_is_never_reaped(trio):
     side.withdraw(req, "aborted")
     side._reap(time.monotonic() + 1e6)
     assert "slow" not in side._rooms
+
+
+def test_a_fragmented_pool_is_read_in_many_batches(checkpoint):
+    """Slots scattered over the pool (runs of one): more ranges than the transfer engine takes
+    in one batch (6 layers x ~800 positions > 4,096), read in batches, and the outputs still
+    the colocated ones."""
+    path = checkpoint(num_hidden_layers=6)
+    colocated, prefill = make(path, "null"), make(path, "prefill")
+    decode = make(path, "decode", checked=False)  # it holds slots of its own below
+    try:
+        pool = decode.kv.pool
+
+        def fragment():
+            taken = pool.alloc(pool.num_free)
+            pool.free(taken[::2])  # the free slots alternate with held ones
+            return taken[1::2]
+
+        held = decode.between_steps(fragment)
+        prompt = "x = [" + ", ".join(str(i) for i in range(250)) + "]\n"
+        params = SamplingParams(max_new_tokens=6, temperature=0)
+        want = Run(colocated, prompt, params, rid="frag-c").wait()[0]
+        _, got = through_pair(prefill, decode, prompt, params, room="fragmented")
+        assert got[0].error is None, got[0].error
+        assert got[0].output_token_ids == want.output_token_ids
+        ranges = decode.stats()["disaggregation"]["transfer_ranges"]
+        assert ranges > 4096, ranges
+        decode.between_steps(lambda: pool.free(held))
+        settled(decode, prefill, colocated)
+    finally:
+        for engine in (decode, prefill, colocated):
+            engine.shutdown()

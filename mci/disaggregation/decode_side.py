@@ -161,6 +161,8 @@ class DecodeSide:
         except Exception as exc:  # noqa: BLE001 - every failure is the request's, reported
             self._counts["transfers_failed"] += 1
             why = str(exc) or type(exc).__name__
+            if not read.cancelled:
+                log.warning("KV transfer of %s from %s failed: %s", read.room, read.source, why)
             self._report(read, KVFailed(read.request_id, f"KV transfer failed: {why}"))
         finally:
             if read.sock is not None:
@@ -220,6 +222,7 @@ class DecodeSide:
         if wire.receive(sock, self.timeout_s).get("op") != "ack":
             raise TransferError("the prefill worker did not keep the KV to the end of the read")
         self._counts["transfers"] += 1
+        self._counts["transfer_ranges"] += len(lengths)
         self._seconds += elapsed
         self._bytes += sum(lengths)
         return KVArrived(
