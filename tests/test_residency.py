@@ -173,6 +173,8 @@ def test_tenants_stay_in_their_region_and_fail_closed(checkpoint, tmp_path):
             "region": "eu",
             "pool": None,
             "model": "m",
+            "disaggregation_mode": "null",
+            "disaggregation_bootstrap": None,
         }
 
         # acme (pinned to eu): every request on eu; us rejected once per routing decision
