@@ -216,14 +216,24 @@ def _prefill_worker_of(fleet, prefix: str) -> LiveServer:
     raise AssertionError("no prefill worker took the request")
 
 
+def _setup_fault(fleet, name: str, n: int):
+    """The prefill worker `n` prompts of a family go to, the other one, the prompts, their
+    answers from a decode worker alone, and the router's count of prefill failures so far."""
+    prefix = f"# {name}\n" + LONG
+    target = _prefill_worker_of(fleet, prefix)
+    other = fleet["p2"] if target is fleet["p1"] else fleet["p1"]
+    prompts = [f"{prefix}# {name} {i}\n" for i in range(n)]
+    want = [_complete(fleet["d2"].url, p, 8) for p in prompts]
+    return target, other, prompts, want, _prefill_failures(fleet)
+
+
+def _prefill_failures(fleet) -> int:
+    return httpx.get(fleet["router"].url + "/workers", timeout=5).json()["pd"]["failures"]
+
+
 def test_a_stalled_prefill_worker_times_out_and_another_takes_over(fleet):
     router = fleet["router"]
-    prefix = "# stalled\n" + LONG
-    p1 = _prefill_worker_of(fleet, prefix)
-    other = fleet["p2"] if p1 is fleet["p1"] else fleet["p1"]
-    prompts = [f"{prefix}# stall {i}\n" for i in range(6)]
-    want = [_complete(fleet["d2"].url, p, 8) for p in prompts]
-    failures = httpx.get(router.url + "/workers", timeout=5).json()["pd"]["failures"]
+    p1, other, prompts, want, failures = _setup_fault(fleet, "stalled", 6)
     stalled = (p1.proc.pid, p1.state()["engine_pid"])  # the whole worker: both processes
     for pid in stalled:
         os.kill(pid, signal.SIGSTOP)
@@ -235,8 +245,7 @@ def test_a_stalled_prefill_worker_times_out_and_another_takes_over(fleet):
         for pid in stalled:
             os.kill(pid, signal.SIGCONT)
     assert got == want
-    after = httpx.get(router.url + "/workers", timeout=5).json()["pd"]["failures"]
-    assert after > failures, "no request met the stalled worker"
+    assert _prefill_failures(fleet) > failures, "no request met the stalled worker"
     assert elapsed >= TIMEOUT_S
     _whole(fleet["d1"], fleet["d2"], other)
     start = time.monotonic()
@@ -246,12 +255,7 @@ def test_a_stalled_prefill_worker_times_out_and_another_takes_over(fleet):
 
 def test_a_prefill_worker_killed_mid_transfer_costs_no_request(fleet):
     router = fleet["router"]
-    prefix = "# killed\n" + LONG
-    p1 = _prefill_worker_of(fleet, prefix)
-    other = fleet["p2"] if p1 is fleet["p1"] else fleet["p1"]
-    prompts = [f"{prefix}# kill {i}\n" for i in range(8)]
-    want = [_complete(fleet["d2"].url, p, 8) for p in prompts]
-    failures = httpx.get(router.url + "/workers", timeout=5).json()["pd"]["failures"]
+    p1, other, prompts, want, failures = _setup_fault(fleet, "killed", 8)
     results: list = []
     runner = threading.Thread(target=lambda: results.extend(_concurrently(router.url, prompts)))
     runner.start()
@@ -259,8 +263,7 @@ def test_a_prefill_worker_killed_mid_transfer_costs_no_request(fleet):
     os.kill(p1.proc.pid, signal.SIGKILL)
     runner.join(120)
     assert results == want
-    after = httpx.get(router.url + "/workers", timeout=5).json()["pd"]["failures"]
-    assert after > failures, "no request was in flight on the killed worker"
+    assert _prefill_failures(fleet) > failures, "no request was in flight on the killed worker"
     assert p1.proc.wait(10) is not None
     _whole(fleet["d1"], fleet["d2"], other)
     fleet["alive_prefill"] = other

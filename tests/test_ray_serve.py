@@ -64,6 +64,19 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: 
     return "".join(text), replica, finish
 
 
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "serve-ray did not become healthy"
+        time.sleep(1)
+
+
 def _replicas_running(url: str) -> int:
     status = httpx.get(url + "/ray/status", timeout=30).json()
     return status["mci"]["mci-replica"]["replica_states"].get("RUNNING", 0)
@@ -87,16 +100,7 @@ def test_serve_ray_autoscales_routes_by_cache_and_stops(tmp_path):
         stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve-ray.log").read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "serve-ray did not become healthy"
-            time.sleep(1)
+        _wait_healthy(proc, url, tmp_path / "serve-ray.log")
         assert _replicas_running(url) == 1
 
         # under 8 concurrent streams (target: 2 per replica) Serve adds the second replica
@@ -177,16 +181,7 @@ def test_serve_ray_deploys_prefill_and_decode_as_two_deployments(tmp_path):
         stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve-ray.log").read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "serve-ray did not become healthy"
-            time.sleep(1)
+        _wait_healthy(proc, url, tmp_path / "serve-ray.log")
         status = httpx.get(url + "/ray/status", timeout=30).json()["mci"]
         assert set(status) == {"mci-ingress", "mci-prefill", "mci-decode"}
         assert status["mci-prefill"]["replica_states"].get("RUNNING") == 1
