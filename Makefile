@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PROMPT ?= def fibonacci(n):
 
-.PHONY: run generate test test-slow test-ray chaos test-lm-eval fuzz lint bench clean default-model
+.PHONY: run generate test test-slow test-ray test-gpu chaos test-lm-eval fuzz lint bench clean default-model
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,19 @@ $(RAY_VENV)/.installed: pyproject.toml
 
 test-ray: $(RAY_VENV)/.installed
 	$(RAY_VENV)/bin/python -m pytest -q -m slow tests/test_ray_serve.py tests/test_workflow_ray.py
+
+# The GPU checks in one command, on a machine with CUDA: the transformers-parity suites and
+# FP8 exactness with mci and transformers on the GPU (MCI_TEST_DEVICE), then a served benchmark
+# (`mci serve --device cuda`, batch and single). On this CPU-only machine it stops at once.
+GPU_DEVICE ?= cuda
+GPU_SUITES := tests/test_parity_hf.py tests/test_engine_parity.py tests/test_fp8_kernels.py \
+	tests/test_prompt_logprobs.py
+test-gpu: $(VENV)/.installed
+	$(PY) -c 'import sys, torch; torch.cuda.is_available() or sys.exit(f"test-gpu: torch {torch.__version__} sees no CUDA device")'
+	MCI_TEST_DEVICE=$(GPU_DEVICE) $(PY) -m pytest -q $(GPU_SUITES)
+	bash benchmarks/prepare_checkpoint.sh mci-only
+	$(PY) benchmarks/run.py --engines mci --workloads batch,single --mci-extra "--device $(GPU_DEVICE)" \
+		--doc docs/benchmarks-gpu.md
 
 # lm-evaluation-harness through `mci serve` vs transformers (slow; installs the extra on first use).
 test-lm-eval: $(VENV)/.installed

@@ -42,6 +42,9 @@ PEERS = HERE / ".peers"
 CKPT = PEERS / "small-bf16"
 GGUF = PEERS / "small-bf16.gguf"
 FP8_CKPT = PEERS / "small-fp8"  # the same model made with --fp8 (e4m3, 128x128 block scales)
+# the same size stretched to 32k positions with YaRN (as DeepSeek-V3 stretches 4k to 160k)
+LONG_CKPT = PEERS / "small-bf16-32k"
+LONG_GGUF = PEERS / "small-bf16-32k.gguf"
 Q8_GGUF = PEERS / "small-q8_0.gguf"  # the bf16 checkpoint converted with --outtype q8_0
 VLLM_PY = PEERS / "vllm-venv" / "bin" / "python"
 LLAMA_SERVER = PEERS / "llama.cpp-build" / "bin" / "llama-server"
@@ -116,13 +119,83 @@ WORKLOADS: dict[str, tuple[list[str], list[tuple[str, tuple[str, ...], str, bool
         ],
         [("TPOT", ("tpot_ms", "p50"), "ms/tok", False)],
     ),
+    # long contexts: one request decoding after an 8k / a 16k prompt (its TTFT is the prefill)
+    **{
+        f"long-{k}k": (
+            [
+                "--dataset",
+                "random",
+                "--num-prompts",
+                "1",
+                "--request-rate",
+                "inf",
+                "--input-len",
+                str(k * 1024),
+                "--output-len",
+                "128",
+            ],
+            [
+                ("TTFT", ("ttft_ms", "p50"), "ms", False),
+                ("TPOT", ("tpot_ms", "p50"), "ms/tok", False),
+            ],
+        )
+        for k in (8, 16)
+    },
+    "many": (
+        [
+            "--dataset",
+            "random",
+            "--num-prompts",
+            "256",
+            "--request-rate",
+            "inf",
+            "--input-len",
+            "256",
+            "--output-len",
+            "256",
+        ],
+        [
+            ("output tok/s", ("output_token_throughput",), "tok/s", True),
+            ("TPOT p99", ("tpot_ms", "p99"), "ms", False),
+        ],
+    ),
 }
+# `--workloads long` names both long ones
+WORKLOAD_GROUPS = {"long": ("long-8k", "long-16k")}
+# the long and many workloads take minutes per engine here: asked for by name
+DEFAULT_WORKLOADS = ("batch", "online", "prefix", "single")
 WORKLOAD_TEXT = {
     "batch": "32 requests at once, 128 in / 128 out",
     "online": "64 requests, Poisson 4 req/s, 256 in / 64 out",
     "prefix": "32 at once, 1,024 shared + 32 unique in / 32 out",
     "single": "1 request, 32 in / 256 out",
+    "long-8k": "1 request, 8,192 in / 128 out, on the 32k-context checkpoint",
+    "long-16k": "1 request, 16,384 in / 128 out, on the 32k-context checkpoint",
+    "many": "256 requests at once, 256 in / 256 out",
 }
+
+
+class Serving:
+    """What a workload needs of every engine's server: the checkpoint (`long`: the 32k-context
+    one), room for each sequence, and how many sequences at once (llama-server splits its
+    context evenly over that many slots)."""
+
+    def __init__(self, long: bool, context: int, sequences: int):
+        self.long, self.context, self.sequences = long, context, sequences
+
+    def key(self) -> tuple:
+        return (self.long, self.context, self.sequences)
+
+
+# Longest default request: 1,024 + 32 in + 32 out (prefix): 2,048 per sequence for every engine,
+# and 32 llama.cpp slots of 1,280 for 32 concurrent requests.
+DEFAULT_SERVING = Serving(long=False, context=2048, sequences=32)
+SERVING = {
+    "long-8k": Serving(long=True, context=16384 + 512, sequences=1),
+    "long-16k": Serving(long=True, context=16384 + 512, sequences=1),
+    "many": Serving(long=False, context=2048, sequences=256),
+}
+LLAMA_CTX_PER_SLOT = {32: 1280, 256: 640}  # what the longest request of each needs, rounded up
 ENGINES = (
     "mci",
     "vllm",
@@ -137,11 +210,6 @@ ENGINES = (
 # llama.cpp-q8_0: llama.cpp on the model converted to q8_0 (8.5 bits per weight);
 # mci-base / mci-fp8-base: mci and mci-fp8 from --base-src (an A/B within one run)
 DEFAULT_ENGINES = ("mci", "vllm", "llama.cpp")
-# Longest request: 1,024 + 32 in + 32 out (prefix). Every engine gets room for 2,048 per sequence.
-MAX_MODEL_LEN = 2048
-# llama-server splits its context evenly over its slots: 32 slots for 32 concurrent requests.
-LLAMA_SLOTS = 32
-LLAMA_CTX_PER_SLOT = 1280
 
 
 def log(msg: str) -> None:
@@ -318,23 +386,34 @@ class Server:
         self.log_file.close()
 
 
-def engine_cmd(name: str, port: int, args) -> tuple[list[str], dict]:
+def model_file(name: str, serving: Serving) -> Path:
+    """The checkpoint (or GGUF) `name` serves for a workload (ValueError where none is made)."""
+    fp8, q8 = name.startswith("mci-fp8"), name == "llama.cpp-q8_0"
+    if serving.long and (fp8 or q8):
+        raise ValueError(f"{name}: no 32k-context checkpoint is made in its format")
+    if name.startswith("llama.cpp"):
+        return Q8_GGUF if q8 else LONG_GGUF if serving.long else GGUF
+    return FP8_CKPT if fp8 else LONG_CKPT if serving.long else CKPT
+
+
+def engine_cmd(name: str, port: int, args, serving: Serving) -> tuple[list[str], dict]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     if name.startswith("mci"):
         cmd = shlex.split(args.base_cmd if name.endswith("-base") else args.mci_cmd) + [
             "--model-path",
-            str(FP8_CKPT if name.startswith("mci-fp8") else CKPT),
+            str(model_file(name, serving)),
             "--port",
             str(port),
             "--served-model-name",
             SERVED_NAME,
             "--context-length",
-            str(MAX_MODEL_LEN),
+            str(serving.context),
             "--kv-cache-gb",
             f"{args.kv_cache_gb:g}",
         ]
-        return cmd + (["--deterministic"] if name == "mci-deterministic" else []), env
+        cmd += ["--deterministic"] if name == "mci-deterministic" else []
+        return cmd + shlex.split(args.mci_extra), env
     if name == "vllm":
         env.update(VLLM_MLA_DISABLE="1", VLLM_CPU_KVCACHE_SPACE=str(round(args.kv_cache_gb)))
         cmd = [
@@ -342,7 +421,7 @@ def engine_cmd(name: str, port: int, args) -> tuple[list[str], dict]:
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
-            str(CKPT),
+            str(model_file(name, serving)),
             "--served-model-name",
             SERVED_NAME,
             "--host",
@@ -352,16 +431,18 @@ def engine_cmd(name: str, port: int, args) -> tuple[list[str], dict]:
             "--dtype",
             "bfloat16",
             "--max-model-len",
-            str(MAX_MODEL_LEN),
+            str(serving.context),
             "--hf-overrides",
             '{"topk_method": "noaux_tc", "scoring_func": "sigmoid"}',
         ]
+        if serving.sequences > DEFAULT_SERVING.sequences:
+            cmd += ["--max-num-seqs", str(serving.sequences)]
         return cmd + shlex.split(args.vllm_extra), env
     if name in ("llama.cpp", "llama.cpp-q8_0"):
         cmd = [
             str(LLAMA_SERVER),
             "-m",
-            str(Q8_GGUF if name == "llama.cpp-q8_0" else GGUF),
+            str(model_file(name, serving)),
             "--alias",
             SERVED_NAME,
             "--host",
@@ -369,9 +450,9 @@ def engine_cmd(name: str, port: int, args) -> tuple[list[str], dict]:
             "--port",
             str(port),
             "-c",
-            str(LLAMA_SLOTS * LLAMA_CTX_PER_SLOT),
+            str(serving.sequences * LLAMA_CTX_PER_SLOT.get(serving.sequences, serving.context)),
             "-np",
-            str(LLAMA_SLOTS),
+            str(serving.sequences),
             "-t",
             str(os.cpu_count()),
             "--no-webui",
@@ -381,6 +462,64 @@ def engine_cmd(name: str, port: int, args) -> tuple[list[str], dict]:
         ]
         return cmd + shlex.split(args.llama_extra), env
     raise ValueError(name)
+
+
+def server_commands(engines: list[str], workloads: list[str], args) -> dict[str, str]:
+    """Each engine's server command (port as PORT), once per distinct serving setup: keyed by
+    the engine alone for the default one, else by the engine and its workloads."""
+    by_serving: dict[tuple, list[str]] = {}
+    for wl in workloads:
+        by_serving.setdefault(SERVING.get(wl, DEFAULT_SERVING).key(), []).append(wl)
+    out = {}
+    for e in engines:
+        for key, wls in by_serving.items():
+            try:
+                cmd = shlex.join(engine_cmd(e, 0, args, SERVING.get(wls[0], DEFAULT_SERVING))[0])
+            except ValueError as exc:
+                cmd = f"not run: {exc}"
+            label = e if key == DEFAULT_SERVING.key() else f"{e} ({', '.join(wls)})"
+            prefix = "VLLM_MLA_DISABLE=1 VLLM_CPU_KVCACHE_SPACE=" + str(round(args.kv_cache_gb))
+            cmd = cmd.replace("--port 0", "--port PORT").replace("port 0", "port PORT")
+            out[label] = f"{prefix} {cmd}" if e == "vllm" else cmd
+    return out
+
+
+def bench_arg(wl: str, flag: str) -> int:
+    bench_args = WORKLOADS[wl][0]
+    return int(bench_args[bench_args.index(flag) + 1])
+
+
+def workload_floors(workloads: list[str], args) -> dict:
+    """`mci bench floors` for the workloads whose requests all arrive at once on random
+    prompts (batch, single, long, many): the machine's measured bandwidth and matmul rate, and
+    each workload's TTFT / TPOT floors and output tok/s ceiling ({} where it cannot run)."""
+    shapes = {}
+    for wl in workloads:
+        bench_args = WORKLOADS[wl][0]
+        if bench_args[bench_args.index("--dataset") + 1] != "random":
+            continue
+        if bench_args[bench_args.index("--request-rate") + 1] != "inf":
+            continue
+        shape = [bench_arg(wl, f) for f in ("--num-prompts", "--input-len", "--output-len")]
+        ckpt = LONG_CKPT if SERVING.get(wl, DEFAULT_SERVING).long else CKPT
+        shapes.setdefault(ckpt, []).append(f"{wl}={','.join(map(str, shape))}")
+    out: dict = {"machine": None, "floors": {}}
+    for ckpt, specs in shapes.items():
+        cmd = shlex.split(args.bench_cmd.replace(" bench serve", " bench floors"))
+        cmd += ["--model-path", str(ckpt), "--json"]
+        cmd += [x for spec in specs for x in ("--shape", spec)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd="/", timeout=600)
+        if proc.returncode:
+            log(f"floors not measured: {(proc.stdout + proc.stderr)[-400:]}")
+            continue
+        got = json.loads(proc.stdout)
+        out["machine"] = got["machine"]
+        out["floors"].update(got["floors"])
+    return out
+
+
+# a metric's floor in `mci bench floors`' output, by the metric's JSON path
+FLOOR_KEYS = {"output_token_throughput": "output_tok_s", "tpot_ms": "tpot_ms", "ttft_ms": "ttft_ms"}
 
 
 def dig(d: dict, path: tuple[str, ...]) -> float:
@@ -437,7 +576,9 @@ def ratio_pairs(engines: list[str]) -> list[tuple[str, str]]:
 def render(summary: dict) -> str:
     engines = summary["engines"]
     ratios = ratio_pairs(engines)
+    floors = summary.get("floors", {}).get("floors", {})
     head = ["workload", "metric", *engines] + [f"{a}/{b}" for a, b in ratios]
+    head += ["machine floor"] if floors else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for wl in summary["workloads"]:
         for label, _path, unit, higher in WORKLOADS[wl][1]:
@@ -459,6 +600,9 @@ def render(summary: dict) -> str:
                 row.append(cell)
             for a, b in ratios:
                 row.append(f"{vals[a] / vals[b]:.2f}" if a in vals and vals.get(b) else "n/a")
+            if floors:
+                floor = floors.get(wl, {}).get(FLOOR_KEYS[_path[0]])
+                row.append("n/a" if floor is None else f"{floor:.{1 if floor >= 10 else 2}f}")
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -475,6 +619,16 @@ def markdown_section(summary: dict) -> str:
         "one); ratios are mci ÷ peer, so above 1 is better for mci on tok/s and below 1 is "
         "better for mci on ms."
     )
+    machine = summary.get("floors", {}).get("machine")
+    if machine:
+        out.append(
+            "Machine floor: `mci bench floors` (mci/bench/floors.py): the bytes each step must "
+            "read and the FLOPs it must do over this machine's measured "
+            f"{machine['bandwidth_gbs']:.1f} GB/s and the faster of its bf16 "
+            f"{machine['bf16_gflops']:.0f} and fp32 {machine['fp32_gflops']:.0f} GFLOP/s;"
+            " a floor for ms, a ceiling for tok/s; n/a where arrivals or shared prefixes set "
+            "the pace."
+        )
     if summary.get("neighbour", "none") != "none":
         out.append(f"Beside each engine: a {summary['neighbour']} (--neighbour).")
     if summary.get("cpu_quota"):
@@ -509,7 +663,11 @@ def main() -> int:
         default=",".join(DEFAULT_ENGINES),
         help=f"comma-separated, in turn order, of {', '.join(ENGINES)}",
     )
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
+    ap.add_argument(
+        "--workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help=f"comma-separated, of {', '.join([*WORKLOADS, *WORKLOAD_GROUPS])}",
+    )
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument(
         "--seed",
@@ -563,6 +721,7 @@ def main() -> int:
         type=float,
         help="run each engine's server in a cgroup with this CPU quota, in CPUs (e.g. 1.5)",
     )
+    ap.add_argument("--mci-extra", default="", help="more mci server arguments")
     ap.add_argument("--vllm-extra", default="", help="more vLLM server arguments")
     ap.add_argument("--llama-extra", default="", help="more llama-server arguments")
     ap.add_argument("--ready-timeout", type=float, default=600)
@@ -584,7 +743,12 @@ def main() -> int:
     )
     args.bench_cmd = args.bench_cmd or base_mci + " bench serve"
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    workloads = [
+        x
+        for w in args.workloads.split(",")
+        if w.strip()
+        for x in WORKLOAD_GROUPS.get(w.strip(), (w.strip(),))
+    ]
     for e in engines:
         if e not in ENGINES:
             ap.error(f"unknown engine {e!r} ({', '.join(ENGINES)})")
@@ -603,7 +767,10 @@ def main() -> int:
         "mci-fp8-base": [FP8_CKPT / "config.json"],
         "llama.cpp-q8_0": [LLAMA_SERVER, Q8_GGUF],
     }
-    missing = [str(p) for e in engines for p in need[e] if not p.exists()]
+    if any(SERVING.get(w, DEFAULT_SERVING).long for w in workloads):
+        need = {e: [LONG_CKPT / "config.json" if p == CKPT / "config.json" else LONG_GGUF
+                    if p == GGUF else p for p in files] for e, files in need.items()}  # fmt: skip
+    missing = sorted({str(p) for e in engines for p in need[e] if not p.exists()})
     if missing:
         sys.exit(
             "missing (run benchmarks/install_peers.sh and benchmarks/prepare_checkpoint.sh): "
@@ -629,12 +796,8 @@ def main() -> int:
         "master_seed": seed,
         "seeds": seeds,
         "versions": peer_versions(engines, args),
-        "commands": {
-            e: shlex.join(engine_cmd(e, 0, args)[0])
-            .replace("--port 0", "--port PORT")
-            .replace("port 0", "port PORT")
-            for e in engines
-        },
+        "commands": server_commands(engines, workloads, args),
+        "floors": workload_floors(workloads, args),
         "env": {
             "vllm": {
                 "VLLM_MLA_DISABLE": "1",
@@ -648,12 +811,6 @@ def main() -> int:
         "results": {},
         "problems": [],
     }
-    summary["commands"]["vllm"] = (
-        "VLLM_MLA_DISABLE=1 VLLM_CPU_KVCACHE_SPACE="
-        f"{round(args.kv_cache_gb)} " + summary["commands"].get("vllm", "")
-    )
-    if "vllm" not in engines:
-        summary["commands"].pop("vllm")
     for e, v in summary["versions"].items():
         log(f"{e}: {v}")
 
@@ -676,8 +833,6 @@ def main() -> int:
                 for e in engines:
                     tag = f"{wl}-r{r}-{e}"
                     port = free_port()
-                    cmd, env = engine_cmd(e, port, args)
-                    log(f"{tag}: starting {e} on port {port}")
                     run = {
                         "workload": wl,
                         "round": r,
@@ -693,6 +848,13 @@ def main() -> int:
                         )
                         summary["problems"].append(note)
                         log(note)
+                    try:
+                        cmd, env = engine_cmd(e, port, args, SERVING.get(wl, DEFAULT_SERVING))
+                    except ValueError as exc:
+                        summary["problems"].append(f"{tag}: not run: {exc}")
+                        log(f"{tag}: not run: {exc}")
+                        continue
+                    log(f"{tag}: starting {e} on port {port}")
                     neighbour = start_neighbour(args.neighbour)
                     if quota is not None:
                         cmd = quota.wrap(cmd)

@@ -225,6 +225,18 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _cmd_bench_floors(args: argparse.Namespace) -> int:
+    from mci.bench.floors import Shape, main
+
+    try:
+        shapes = [Shape.parse(text) for text in args.shape]
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not (args.model_path / "config.json").is_file():
+        raise UserError(f"{args.model_path} has no config.json")
+    return main(args.model_path, shapes, args.json)
+
+
 def _cmd_run_batch(args: argparse.Namespace) -> int:
     from mci.engine.engine import Engine
     from mci.server.batch_api import run_batch
@@ -326,6 +338,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bs)
     bs.set_defaults(func=_cmd_bench_serve)
+    bf = bench_sub.add_parser(
+        "floors", help="a workload's physical floors on this machine (bytes and FLOPs per step)"
+    )
+    bf.add_argument("--model-path", type=Path, required=True, help="checkpoint directory")
+    bf.add_argument(
+        "--shape",
+        action="append",
+        required=True,
+        metavar="NAME=CONCURRENCY,INPUT,OUTPUT",
+        help="a workload: that many requests at once, each INPUT tokens in and OUTPUT out",
+    )
+    bf.add_argument("--json", action="store_true", help="print JSON")
+    bf.set_defaults(func=_cmd_bench_floors)
 
     b = sub.add_parser("run-batch", help="offline inference over an OpenAI Batch API file")
     b.add_argument("-i", "--input-file", type=Path, required=True, help="requests JSONL")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,24 @@ torch.set_num_threads(2)
 REFERENCE_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "deepseek-v3"
 # A copy inside the repo keeps tests runnable without ../shared (e.g. a bare clone elsewhere).
 REFERENCE_COPY = Path(__file__).parent / "data" / "deepseek-v3-config.json"
+
+
+def device_under_test() -> torch.device:
+    """Where the parity suites run mci and transformers: $MCI_TEST_DEVICE (default cpu;
+    `make test-gpu` sets cuda). Results are compared on the CPU."""
+    return torch.device(os.environ.get("MCI_TEST_DEVICE", "cpu"))
+
+
+def pytest_configure(config):
+    """A device this machine lacks stops the run at once, with the reason (never skips)."""
+    try:
+        device = device_under_test()
+    except RuntimeError as e:
+        raise pytest.UsageError(f"MCI_TEST_DEVICE: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"MCI_TEST_DEVICE={device} but torch {torch.__version__} sees no CUDA device"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -87,24 +106,26 @@ def checkpoint(tmp_path_factory):
     return make
 
 
-def load_hf_reference(path, dtype=torch.float32):
-    """transformers' DeepseekV3ForCausalLM on the same checkpoint (the MTP layer is ignored)."""
+def load_hf_reference(path, dtype=torch.float32, device=None):
+    """transformers' DeepseekV3ForCausalLM on the same checkpoint (the MTP layer is ignored),
+    on `device` (default: the device under test)."""
     import transformers
     from transformers import DeepseekV3ForCausalLM
 
     transformers.logging.set_verbosity_error()
-    return DeepseekV3ForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    model = DeepseekV3ForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    return model.to(device or device_under_test())
 
 
 def hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
     """Exactly n greedy tokens from a transformers model after `prompt_ids` (EOS ignored)."""
     with torch.no_grad():
         out = hf.generate(
-            torch.tensor([prompt_ids]),
+            torch.tensor([prompt_ids], device=hf.device),
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
         )
-    return out[0, len(prompt_ids) :].tolist()
+    return out[0, len(prompt_ids) :].cpu().tolist()

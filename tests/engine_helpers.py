@@ -14,7 +14,12 @@ from mci.scheduler.config import SchedulerConfig
 
 def make_scheduler(model, tokenizer, path, *, max_total_tokens=4096, radix=True, **sched):
     config = EngineConfig(
-        model=ModelPlacement(model_path=path, dtype="float32", skip_kernel_warmup=True),
+        model=ModelPlacement(
+            model_path=path,
+            dtype="float32",
+            device=str(model.lm_head.weight.device),
+            skip_kernel_warmup=True,
+        ),
         cache=CacheConfig(max_total_tokens=max_total_tokens, disable_radix_cache=not radix),
         scheduler=dataclasses.replace(SchedulerConfig(), **sched),
         check_integrity=True,

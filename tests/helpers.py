@@ -16,20 +16,25 @@ needs_bf16_matmuls = pytest.mark.skipif(
 
 
 def prefill_logits(model, ids: list[int], path: str = "auto") -> torch.Tensor:
-    """Logits [len(ids), vocab] of a fresh sequence run in one forward."""
-    cache = model.allocate_kv_cache(len(ids) + 1)
-    meta = AttentionMetadata.build([SequenceChunk(torch.arange(len(ids)), len(ids))])
-    return model.logits(model(torch.tensor(ids), meta, cache, path))
+    """Logits [len(ids), vocab] of a fresh sequence run in one forward on the model's device
+    (returned on the CPU)."""
+    device = model.lm_head.weight.device
+    cache = model.allocate_kv_cache(len(ids) + 1, device)
+    slots = torch.arange(len(ids), device=device)
+    meta = AttentionMetadata.build([SequenceChunk(slots, len(ids))], device)
+    return model.logits(model(torch.tensor(ids, device=device), meta, cache, path)).cpu()
 
 
 def stepwise_logits(model, ids: list[int], path: str, first_chunk: int = 1) -> torch.Tensor:
     """The same logits, computed `first_chunk` tokens at once and then one token per step."""
-    cache = model.allocate_kv_cache(len(ids) + 1)
-    slots = torch.arange(len(ids))
+    device = model.lm_head.weight.device
+    cache = model.allocate_kv_cache(len(ids) + 1, device)
+    slots = torch.arange(len(ids), device=device)
     out, length = [], 0
     while length < len(ids):
         n = first_chunk if length == 0 else 1
         length += n
-        meta = AttentionMetadata.build([SequenceChunk(slots[:length], n)])
-        out.append(model.logits(model(torch.tensor(ids[length - n : length]), meta, cache, path)))
-    return torch.cat(out)
+        meta = AttentionMetadata.build([SequenceChunk(slots[:length], n)], device)
+        step_ids = torch.tensor(ids[length - n : length], device=device)
+        out.append(model.logits(model(step_ids, meta, cache, path)))
+    return torch.cat(out).cpu()

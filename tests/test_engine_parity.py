@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, load_hf_reference
+from conftest import device_under_test, hf_greedy, load_hf_reference
 from engine_helpers import drive, greedy, make_scheduler
 
 from mci.core.request import Request
@@ -19,7 +19,7 @@ NUM_REQUESTS = 16
 @pytest.fixture(scope="module")
 def setup(checkpoint):
     path = checkpoint()
-    model = load_model(path, "float32")
+    model = load_model(path, "float32", str(device_under_test()))
     return path, model, TextTokenizer.load(path)
 
 

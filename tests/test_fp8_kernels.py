@@ -19,7 +19,7 @@ import json
 
 import pytest
 import torch
-from conftest import hf_greedy, load_hf_reference
+from conftest import device_under_test, hf_greedy, load_hf_reference
 from helpers import prefill_logits
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -169,7 +169,8 @@ def fp8_and_dequantised(checkpoint, tmp_path_factory):
 
 def test_fp8_greedy_equals_transformers_on_the_dequantised_checkpoint(fp8_and_dequantised):
     fp8_path, plain_path = fp8_and_dequantised
-    ours, ref = load_model(fp8_path, "float32"), load_hf_reference(plain_path)
+    ours = load_model(fp8_path, "float32", str(device_under_test()))
+    ref = load_hf_reference(plain_path)
     ids = torch.randint(0, 2048, (12,), generator=torch.Generator().manual_seed(4)).tolist()
     got = decode_single_sequence(ours, ids, max_new_tokens=24).token_ids
     assert got == hf_greedy(ref, ids, 24)

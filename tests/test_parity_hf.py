@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, load_hf_reference
+from conftest import device_under_test, hf_greedy, load_hf_reference
 from helpers import prefill_logits
 
 from mci.models.loader import load_model
@@ -34,11 +34,12 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_reference(checkpoint, variant):
     path = checkpoint(**VARIANTS[variant])
-    ours, ref = load_model(path, "float32"), load_hf_reference(path)
+    device = device_under_test()
+    ours, ref = load_model(path, "float32", str(device)), load_hf_reference(path)
     for n in PROMPT_LENGTHS:
         ids = _prompt(n, ours.cfg.vocab_size, seed=n)
         with torch.no_grad():
-            expected = ref(torch.tensor([ids])).logits[0]
+            expected = ref(torch.tensor([ids], device=device)).logits[0].cpu()
         for path_name in ("expanded", "absorbed"):
             got = prefill_logits(ours, ids, path_name)
             diff = (got - expected).abs().max().item()
@@ -65,7 +66,8 @@ def test_bias_changes_routing_but_not_weights(checkpoint):
 @pytest.mark.parametrize("variant", ["default", "yarn", "q_lora_none", "strong_bias"])
 def test_greedy_continuation_matches_reference(checkpoint, variant):
     path = checkpoint(**VARIANTS[variant])
-    ours, ref = load_model(path, "float32"), load_hf_reference(path)
+    ours = load_model(path, "float32", str(device_under_test()))
+    ref = load_hf_reference(path)
     ids = _prompt(12, ours.cfg.vocab_size, seed=99)
     got = decode_single_sequence(ours, ids, max_new_tokens=32).token_ids
     assert got == hf_greedy(ref, ids, 32)

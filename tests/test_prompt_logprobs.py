@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_hf_reference
+from conftest import device_under_test, load_hf_reference
 from engine_helpers import drive, greedy, make_scheduler
 
 from mci.core.request import Request
@@ -23,14 +23,15 @@ def setup(checkpoint):
     from mci.tokenizer import TextTokenizer
 
     path = checkpoint()
-    return path, load_model(path, "float32", "cpu"), TextTokenizer.load(path)
+    return path, load_model(path, "float32", str(device_under_test())), TextTokenizer.load(path)
 
 
 def _reference(path, ids: list[int], top: int):
     """transformers' log-softmax of each prompt token given its prefix, and top-k ids."""
     hf = load_hf_reference(path)
     with torch.no_grad():
-        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        logits = hf(torch.tensor([ids], device=hf.device)).logits[0]
+        lp = torch.log_softmax(logits.float(), -1).cpu()
     target = lp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
     return target, lp[:-1].topk(top, dim=-1).indices
 
