@@ -89,3 +89,33 @@ def test_kernel_warm_up_runs_every_bucketed_shape_once(checkpoint):
     expected += 2 * len(sizes) + 2 * len(capacities)
     assert model.warm_up_cpu_kernels(300, 40) == expected
     assert torch.equal(prefill_logits(model, ids), before)
+
+
+def test_widened_bf16_matmuls_round_once_from_the_exact_products(monkeypatch):
+    """Where oneDNN runs no bf16 matmuls (forced here: an AVX2 CPU), a bf16 Linear keeps a
+    float32 copy of its weight, and calls of WIDENED_MIN_ROWS rows or more are float32 sums of
+    the exact bf16 products rounded once: within a bf16 ulp of the float64 product (equal to
+    its rounding but for near-ties), the weight itself untouched. Fewer rows stay on torch's
+    bf16 kernel."""
+    import torch.nn.functional as F
+
+    import mci.layers.linear as linear
+
+    monkeypatch.setattr(linear, "bf16_matmuls_supported", lambda: False)
+    torch.manual_seed(0)
+    layer = linear.Linear(512, (384, 32), torch.bfloat16)
+    layer.weight.data.normal_()
+    weight = layer.weight.detach().clone()
+    assert layer.pack_for_cpu() and layer._packed is None and layer.widened is not None
+    assert layer.widened.dtype == torch.float32 and torch.equal(layer.widened.bfloat16(), weight)
+    x = torch.randn(40, 512).bfloat16()
+    got = layer(x)
+    exact = x.double() @ weight.double().T
+    _, exponent = torch.frexp(exact)
+    ulp = torch.ldexp(torch.ones_like(exact), exponent - 8)  # bf16 keeps 8 significant bits
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - exact).abs() <= ulp).all()
+    assert (got == exact.bfloat16()).float().mean() > 0.999
+    assert torch.equal(layer(x[:10].view(2, 5, 512)), got[:10].view(2, 5, -1))
+    few = x[: linear.WIDENED_MIN_ROWS - 1]
+    assert torch.equal(layer(few), F.linear(few, weight))

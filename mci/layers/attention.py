@@ -174,7 +174,9 @@ class MultiHeadLatentAttention(nn.Module):
             return out.view(h, n, -1).transpose(0, 1)
 
         def bmm(rows: torch.Tensor) -> torch.Tensor:
-            return torch.bmm(rows.transpose(0, 1), weights).transpose(0, 1)
+            # float32 weights where bf16 is widened (layers/linear.py): the result rounded back
+            out = torch.bmm(rows.transpose(0, 1).to(weights.dtype), weights)
+            return out.transpose(0, 1).to(rows.dtype)
 
         if self.fixed_rows is not None:
             return fixed_rows(bmm, x, self.fixed_rows)
@@ -326,12 +328,17 @@ class MultiHeadLatentAttention(nn.Module):
         absorbed path's bmms take them, then the same two as the skinny kernels take them
         (W_UK^T [H, kv_lora, nope], W_UV [H, v, kv_lora]). Under inference mode they are made
         once per dtype (weights do not change while serving; FP8 is dequantised once, not per
-        step). The kernel layouts are None unless the CPU kernels run here."""
+        step). The kernel layouts are None unless the CPU kernels run here; float32 where
+        kv_b_proj's bf16 weight is widened (layers/linear.py)."""
         cache = self._absorb_cache
         kernels = self.kv_b_proj.matvec is not None  # the kernel layouts only where they run
         if (dtype, kernels) in cache:
             return cache[dtype, kernels]
-        w = self.kv_b_proj.dense_weight(dtype).view(self.num_heads, self.nope + self.v_dim, -1)
+        proj = self.kv_b_proj
+        dense = proj.widened if dtype == proj.weight.dtype and proj.widened is not None else None
+        if dense is None:
+            dense = proj.dense_weight(dtype)
+        w = dense.view(self.num_heads, self.nope + self.v_dim, -1)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         weights = (
             w_uk.contiguous(),

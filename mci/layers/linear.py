@@ -25,6 +25,16 @@ every call, which halves its speed at decode sizes; the packed matmul gives bitw
 result at the sizes tested (a few dozen rows; with more rows the two may pick kernels that sum
 in another order). float32 and float16 stay on aten, whose kernels sum in another order.
 
+On a CPU without bf16 matmul instructions (no AVX-512 BF16/BW, no AVX-NE-CONVERT: oneDNN
+cannot pack bf16 there), torch's bf16 matmul falls back to a slow generic loop: measured on an
+AVX2 AMD EPYC, a 2,048^2 bf16 matmul ran at 1.2 GFLOP/s against 135 in float32, and a
+32-request decode step of the `small` model took 426 ms. There `pack_for_cpu` keeps a float32
+copy of the weight (`widened`, two more bytes per parameter), and calls of `WIDENED_MIN_ROWS`
+rows or more run in float32 on the bf16 input widened exactly, the result rounded once to
+bf16: float32 sums of exact bf16 products rounded once, the contract of a bf16 matmul, within
+float32 summation order of torch's bf16 kernel (the weights' values are untouched: nothing is
+quantised).
+
 oneDNN JIT-compiles a kernel for every new (rows, out, in) shape it sees, which costs 1-9 ms
 each time: more than the matmul itself at serving sizes, where the number of rows (tokens in a
 step, or tokens routed to one expert) is different almost every step. So the CPU matmuls run at
@@ -73,6 +83,11 @@ def quantize_fp8_blocks(
 
 
 BATCH_INVARIANT_ROWS = 32
+# Fewest rows a widened bf16 weight (see above) is read in float32 for: below, torch's bf16
+# kernel reads half the bytes and wins (measured on an AVX2 AMD EPYC over the `small` model's
+# weight shapes, 1 / 2 / 4 rows: bf16 53-827 / 108-1,120 / 156-2,233 us, float32 66-1,434 /
+# 127-2,772 / 157-3,625 us; at 8 rows float32 took 0.25-0.8x bf16's time, at 32 0.25-0.45x).
+WIDENED_MIN_ROWS = 3
 
 
 def bucket_rows(rows: int) -> int:
@@ -172,6 +187,7 @@ class Linear(nn.Module):
         self.matvec: cpu_kernels.CpuKernels | None = None  # skinny-matmul kernels (CPU)
         self.kernel: cpu_kernels.KernelWeight | None = None  # the weight as they read it
         self.fixed_rows: int | None = None  # rows per call, for batch invariance (see above)
+        self.widened: torch.Tensor | None = None  # float32 copy of a bf16 weight (see above)
         if fp8_block is None:
             return
         bo, bi = fp8_block
@@ -222,13 +238,23 @@ class Linear(nn.Module):
             self.kernel = cpu_kernels.KernelWeight(w.contiguous(), scale, self.row_block)
             self.kernel.set_skinny_order(self.fixed_rows is not None)
             return True
-        if w.dtype != torch.bfloat16 or not can_pack(w):
+        if w.dtype != torch.bfloat16:
             return False
+        if not can_pack(w):  # no bf16 matmul instructions: float32 matmuls (see above)
+            if self.widened is None:
+                self.widened = w.float()
+            return True
         if self._packed is None:
             self._packed = [pack_weight(r) for r in ([w] if w.dim() == 2 else list(w))]
         self.matvec = kernels
         self.kernel = cpu_kernels.KernelWeight(w.contiguous()) if kernels is not None else None
         return True
+
+    def matmul_weight(self) -> torch.Tensor:
+        """The weight [(E,) out, in] batched matmuls read: the float32 copy where bf16 is
+        widened (see above), else `weight`. Callers cast their input to its dtype and the
+        result back to theirs."""
+        return self.weight if self.widened is None else self.widened
 
     def warm_up(self, max_rows: int) -> int:
         """Run this layer's packed matmul once at every row count it can be called with
@@ -268,6 +294,10 @@ class Linear(nn.Module):
             if matvec is not None:
                 out = matvec.linear(x.reshape(rows, x.shape[-1]), self.kernel, expert)
                 return out.view(x.shape[:-1] + out.shape[-1:])
+        widen = self.widened is not None and x.numel() >= WIDENED_MIN_ROWS * x.shape[-1]
+        if widen and x.dtype == self.weight.dtype and not x.requires_grad:
+            wide = self.widened if expert is None else self.widened[expert]
+            return F.linear(x.float(), wide).to(x.dtype)
         if self._packed is not None and x.dtype == self.weight.dtype and not x.requires_grad:
             packed = self._packed[0 if expert is None else expert]
             return packed_linear(x, packed, self.fixed_rows)

@@ -249,9 +249,11 @@ class RoutedExperts(nn.Module):
         pos = torch.arange(len(sorted_ids), device=x_sorted.device) - first[sorted_ids]
         blocks = x_sorted.new_zeros(self.num_experts, capacity, x_sorted.shape[1])
         blocks[sorted_ids, pos] = x_sorted
-        gate_up = torch.bmm(blocks, self.gate_up_proj.weight.transpose(1, 2))  # [E, C, 2I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = torch.bmm(F.silu(gate) * up, self.down_proj.weight.transpose(1, 2))  # [E, C, H]
+        w_gate_up, w_down = self.gate_up_proj.matmul_weight(), self.down_proj.matmul_weight()
+        gate_up = torch.bmm(blocks.to(w_gate_up.dtype), w_gate_up.transpose(1, 2))  # [E, C, 2I]
+        gate, up = gate_up.to(x_sorted.dtype).chunk(2, dim=-1)
+        hidden = (F.silu(gate) * up).to(w_down.dtype)
+        out = torch.bmm(hidden, w_down.transpose(1, 2)).to(x_sorted.dtype)  # [E, C, H]
         return out[sorted_ids, pos]
 
 
