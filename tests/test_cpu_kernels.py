@@ -10,12 +10,13 @@ from helpers import stepwise_logits
 
 from mci.kernels import cpu_kernels
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
+from mci.layers.linear import bf16_matmuls_supported
 from mci.layers.mlp import GatedMLP
 from mci.layers.moe import MoE
 from mci.models.loader import load_model
 
 matvec = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(matvec is None, reason="no AVX512-BF16 CPU or no C compiler")
+pytestmark = pytest.mark.skipif(matvec is None, reason="no AVX512-BF16 or AVX2 CPU, or no compiler")
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -193,6 +194,10 @@ def test_prefill_attention_is_a_float32_softmax_rounded_once(
     assert torch.equal(alone, out[:, :, rows])
 
 
+@pytest.mark.skipif(
+    matvec is not None and matvec.isa == "avx2",
+    reason="the AVX2 build leaves prefill attention on the flash kernel (faster there)",
+)
 def test_prefill_attention_on_the_kernels_stays_with_the_flash_kernel(checkpoint, monkeypatch):
     """A bf16 model's prefill chunks (plain causal, then after cached tokens of its own)
     give the same logits within bf16 rounding with the kernel's prefill attention as with
@@ -238,6 +243,10 @@ def test_a_model_on_the_kernels_stays_with_the_onednn_model(checkpoint):
     b = stepwise_logits(kernels, ids, "auto", first_chunk=4)
     assert (a - b).abs().max() < 0.05
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+    if not bf16_matmuls_supported():  # the AVX2 build: that mode needs oneDNN's bf16
+        with pytest.raises(ValueError, match="batch-invariant"):
+            kernels.set_batch_invariant(True)
+        return
     kernels.set_batch_invariant(True)  # batch-invariant mode keeps oneDNN's kernel throughout
     assert all(m.skinny(1) is None for m in kernels.modules() if hasattr(m, "skinny"))
 
@@ -266,7 +275,12 @@ def test_verification_rows_read_in_place_stay_with_the_onednn_model(checkpoint):
         logits.append(model.logits(model(new, meta, cache)))
     assert len(AttentionMetadata.build(chunks, "cpu", models[1].attention_layout).groups) == 1
     assert (logits[0] - logits[1]).abs().max() < 0.05
-    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+    # the greedy token wherever the reference's choice is not a near-tie (one row of this
+    # seed ties exactly in bf16, and the two paths may break the tie either way)
+    top2 = logits[0].topk(2, -1).values
+    decided = top2[:, 0] - top2[:, 1] > 0.06
+    assert decided.sum() >= 6
+    assert torch.equal(logits[0].argmax(-1)[decided], logits[1].argmax(-1)[decided])
 
 
 def _packed_moe(checkpoint, size: str) -> tuple:

@@ -12,23 +12,25 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = [
-    Path(__file__).with_name(name)
-    for name in (
-        "cpu_matvec.c",
-        "cpu_fp8.c",
-        "cpu_mla.c",
-        "cpu_moe.c",
-        "cpu_amx.c",
-        "cpu_prefill_attention.c",
-    )
-]
-HEADER = Path(__file__).with_name("cpu_kernels.h")
+COMMON = ("cpu_matvec.c", "cpu_mla.c", "cpu_moe.c", "cpu_prefill_attention.c")
+# The kernels' two builds: AVX-512 (with BF16 dot products, AMX and VBMI's FP8), and AVX2 + FMA,
+# where cpu_avx2.h writes each 512-bit operation of the common kernels as two 256-bit halves
+# and the AVX-512-only entry points are stubs (cpu_avx512_only.c).
+SOURCES = {
+    "avx512": [Path(__file__).with_name(n) for n in (*COMMON, "cpu_fp8.c", "cpu_amx.c")],
+    "avx2": [Path(__file__).with_name(n) for n in (*COMMON, "cpu_avx512_only.c")],
+}
+HEADERS = [Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_avx2.h")]
 # -ffp-contract=off: where the C code writes a product and then a sum (rope, the experts'
 # weighted sum), they stay two roundings, as in the torch code they stand in for (explicit
-# fused multiply-add intrinsics elsewhere are unaffected).
-FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
-         "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16"]  # fmt: skip
+# fused multiply-add intrinsics elsewhere are unaffected). -Wno-psabi: the AVX2 build passes
+# 512-bit vectors between inlined helpers, which GCC warns would change a public ABI.
+BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
+FLAGS = {
+    "avx512": [*BASE_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
+               "-mamx-tile", "-mamx-bf16"],
+    "avx2": [*BASE_FLAGS, "-mavx2", "-mfma", "-Wno-psabi"],
+}  # fmt: skip
 
 
 def cpu_flags() -> str:
@@ -40,9 +42,18 @@ def cpu_flags() -> str:
 
 
 def cpu_supports() -> bool:
-    """The CPU runs the kernels' instructions (AVX512-BF16; AMX and VBMI are checked apart)."""
+    """The CPU runs the AVX-512 build's instructions (AVX512-BF16; AMX and VBMI are checked
+    apart)."""
     flags = cpu_flags()
     return " avx512_bf16" in flags and " avx512bw" in flags
+
+
+def cpu_isa() -> str | None:
+    """Which build of the kernels this CPU runs: "avx512", "avx2" (AVX2 and FMA), or None."""
+    if cpu_supports():
+        return "avx512"
+    flags = cpu_flags()
+    return "avx2" if " avx2" in flags and " fma" in flags else None
 
 
 def cpu_supports_fp8() -> bool:
@@ -50,7 +61,7 @@ def cpu_supports_fp8() -> bool:
     return " avx512vbmi" in cpu_flags()
 
 
-def _build(target: Path) -> None:
+def _build(target: Path, isa: str) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler")
@@ -58,7 +69,7 @@ def _build(target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *FLAGS, "-o", str(out), *map(str, SOURCES)],
+            [compiler, *FLAGS[isa], "-o", str(out), *map(str, SOURCES[isa])],
             check=True,
             capture_output=True,
             timeout=120,
@@ -66,13 +77,13 @@ def _build(target: Path) -> None:
         out.replace(target)  # atomic: concurrent builders each install a complete file
 
 
-def built_library() -> Path:
-    """The compiled library for the current sources, built first if this machine has none
-    (RuntimeError, OSError or a subprocess error when it cannot be)."""
-    code = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
-    digest = hashlib.sha256(code + " ".join(FLAGS).encode()).hexdigest()[:16]
+def built_library(isa: str = "avx512") -> Path:
+    """The compiled library of `isa`'s build for the current sources, built first if this
+    machine has none (RuntimeError, OSError or a subprocess error when it cannot be)."""
+    code = b"".join(path.read_bytes() for path in (*SOURCES[isa], *HEADERS))
+    digest = hashlib.sha256(code + " ".join(FLAGS[isa]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = cache / "mci" / "kernels" / f"cpu_kernels-{digest}.so"
+    target = cache / "mci" / "kernels" / f"cpu_kernels-{isa}-{digest}.so"
     if not target.exists():
-        _build(target)
+        _build(target, isa)
     return target

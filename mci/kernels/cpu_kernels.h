@@ -9,6 +9,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#ifndef __AVX512F__
+#include "cpu_avx2.h" /* the AVX2 build: the 512-bit operations as two 256-bit halves */
+#endif
+
 static inline uint16_t round_bf16(float f) {
     uint32_t u;
     __builtin_memcpy(&u, &f, 4);

@@ -12,9 +12,11 @@ kernel with the weight in cache, ~26 us streamed from L3). A single-stream decod
 ~100 such calls, so this is where its time went.
 
 This module is their bindings: the C sources are compiled once per machine (build.py), then
-loaded with ctypes, which releases the GIL during each call. `load()` returns None, and
-callers keep oneDNN, when the CPU lacks AVX512-BF16, there is no C compiler, the build fails,
-or `MCI_CPU_MATVEC=0`.
+loaded with ctypes, which releases the GIL during each call. A CPU with AVX2 and FMA but not
+AVX512-BF16 gets the AVX2 build (cpu_avx2.h: the same sums lane for lane, no FP8, no AMX, and
+prefill attention left to torch's flash kernel, faster there). `load()` returns None, and
+callers keep oneDNN (or float32 matmuls on widened weights), when the CPU has neither, there is
+no C compiler, the build fails, or `MCI_CPU_MATVEC=0`.
 
 Results match oneDNN's packed bf16 matmul (float32 sums of exact bf16 products, rounded once
 to nearest even; measured equal on all but a few elements in 10,000, by one bf16 ulp), and a
@@ -33,22 +35,25 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from mci.kernels.build import built_library, cpu_flags, cpu_supports, cpu_supports_fp8
+from mci.kernels.build import built_library, cpu_flags, cpu_isa, cpu_supports_fp8
 
 log = logging.getLogger(__name__)
 
-# Most rows a call takes the kernels with. A single matmul on a weight in cache favours oneDNN
-# from 4 rows, but in a real decode step (weights streamed from L3/DRAM) the kernels win up to
-# ~12 rows: measured on the `small` model's whole step, alternating in one process, the
-# median step at 4 / 8 / 12 requests took 21 / 20 / 31 ms with the kernels against 27 / 23 / 35
-# ms with oneDNN above 3 rows; at 16 the two were at par.
-MAX_ROWS = 16
+# Most rows a call takes the kernels with, per build. AVX-512: a single matmul on a weight in
+# cache favours oneDNN from 4 rows, but in a real decode step (weights streamed from L3/DRAM)
+# the kernels win up to ~12 rows: measured on the `small` model's whole step, alternating in
+# one process, the median step at 4 / 8 / 12 requests took 21 / 20 / 31 ms with the kernels
+# against 27 / 23 / 35 ms with oneDNN above 3 rows; at 16 the two were at par. AVX2 (against
+# float32 matmuls on widened weights, layers/linear.py): the `small` model's 32-request step
+# took a median 47-60 ms with the kernels up to 32 rows against 61-67 ms up to 16 (two sweeps
+# on an AVX2 EPYC; 64 rows gained nothing more).
+MAX_ROWS = {"avx512": 16, "avx2": 32}
 # Routed experts gain up to more rows per expert: the kernels read only the active experts'
 # weights in two calls, where oneDNN loops or runs a batched matmul over every expert
 # (measured on the `small` model's MoE layer: 0.9 vs 1.5 ms at 16 tokens, up to 5 per expert;
 # 1.1 vs 1.5 ms at 24 tokens, up to 8; and the whole 32-request decode step, alternating in
 # one process: median 31.8 ms with up to 16 rows per expert here, 36.8 ms with up to 8).
-EXPERT_MAX_ROWS = 16
+EXPERT_MAX_ROWS = {"avx512": 16, "avx2": 32}
 # Most bytes of prefill attention's probabilities P held at once: query rows go through
 # `CpuKernels.prefill_attention` in chunks of this size (a 2,048-token chunk of
 # DeepSeek-V3's 128 heads would otherwise hold 1 GiB).
@@ -61,13 +66,14 @@ MAX_LATENT = 1024
 @functools.lru_cache(maxsize=1)
 def load() -> CpuKernels | None:
     """The compiled kernels, or None where they cannot run here (see the module docstring)."""
-    if os.environ.get("MCI_CPU_MATVEC", "1") == "0" or not cpu_supports():
+    isa = cpu_isa()
+    if os.environ.get("MCI_CPU_MATVEC", "1") == "0" or isa is None:
         return None
     try:
-        lib = ctypes.CDLL(str(built_library()))
+        lib = ctypes.CDLL(str(built_library(isa)))
         # AMX only where the CPU has it and the kernel grants this process its tile state
-        amx = " amx_bf16" in cpu_flags() and lib.mci_amx_init() == 0
-        return CpuKernels(lib, amx, fp8=cpu_supports_fp8())
+        amx = isa == "avx512" and " amx_bf16" in cpu_flags() and lib.mci_amx_init() == 0
+        return CpuKernels(lib, isa, amx, fp8=isa == "avx512" and cpu_supports_fp8())
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("CPU kernels unavailable (%s); using oneDNN", exc)
         return None
@@ -169,7 +175,10 @@ class CpuKernels:
     a unit last-dimension stride; matmul weights bf16 tensors (contiguous) or `KernelWeight`s
     (bf16 or FP8, FP8 only where `fp8`)."""
 
-    def __init__(self, lib: ctypes.CDLL, amx: bool, fp8: bool):
+    def __init__(self, lib: ctypes.CDLL, isa: str, amx: bool, fp8: bool):
+        self.isa = isa  # build.py's build: "avx512", or "avx2" (cpu_avx2.h)
+        self.max_rows = MAX_ROWS[isa]  # most rows of a call on the kernels (see above)
+        self.expert_max_rows = EXPERT_MAX_ROWS[isa]  # most rows of a routed expert
         self.amx = amx  # the AMX expert kernels run here (cpu_amx.c)
         self.fp8 = fp8  # the FP8 matmuls run here (cpu_fp8.c: AVX512-VBMI)
         ptr, long = ctypes.c_void_p, ctypes.c_long
@@ -271,7 +280,10 @@ class CpuKernels:
             )
             if status != 0:
                 raise ValueError(f"prefill_attention: head dim {d} is odd")
-            torch.bmm(probs, values[:, :width], out=out[:, rows])  # P: 0 past each row's keys
+            if self.isa == "avx2":  # no bf16 matmul instructions: exact float32 products
+                out[:, rows] = torch.bmm(probs.float(), values[:, :width].float())
+            else:  # P: 0 past each row's keys
+                torch.bmm(probs, values[:, :width], out=out[:, rows])
             lse[:, rows] = part_lse
         return out.view(b, h, nq, dv), lse.view(b, h, nq)
 

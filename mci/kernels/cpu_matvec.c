@@ -82,6 +82,7 @@ static inline __attribute__((always_inline)) void block_rows(
     }
 }
 
+#ifdef __AVX512F__
 /* One weight's rows [n0, n1) for all m rows of x, TOKENS rows at a time. */
 void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
                        long n0, long n1) {
@@ -96,6 +97,107 @@ void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink
         }
     }
 }
+
+#else /* AVX2 (cpu_avx2.h): the same sums, lane for lane, with 256-bit registers */
+
+/* Rows of x widened once, per 32-element chunk as cpu_avx2.h's dot product pairs them: the
+ * low half's odd and even elements, then the high half's (4 x 8 float32, zeros past k). */
+static void widen_rows(const uint16_t *x, long ldx, long m, long k, float *out) {
+    const long chunks = (k + 31) / 32;
+    for (long j = 0; j < m; j++)
+        for (long c = 0; c < chunks; c++) {
+            uint16_t part[32] = {0};
+            const long n = k - c * 32 < 32 ? k - c * 32 : 32;
+            __builtin_memcpy(part, x + j * ldx + c * 32, n * sizeof(uint16_t));
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)part);
+            const __m256i hi = _mm256_loadu_si256((const __m256i *)(part + 16));
+            float *o = out + (j * chunks + c) * 32;
+            _mm256_storeu_ps(o, mci_odd8(lo));
+            _mm256_storeu_ps(o + 8, mci_even8(lo));
+            _mm256_storeu_ps(o + 16, mci_odd8(hi));
+            _mm256_storeu_ps(o + 24, mci_even8(hi));
+        }
+}
+
+/* Accumulate one 32-element chunk of F weight rows (lo/hi: each row's two halves) against
+ * T widened rows of x. */
+#define MCI_CHUNK(F, T, LOAD)                                                                  \
+    _Pragma("GCC unroll 8") for (int i = 0; i < F; i++) {                                      \
+        __m256i lo, hi;                                                                        \
+        LOAD;                                                                                  \
+        const __m256 lo_odd = mci_odd8(lo), lo_even = mci_even8(lo);                           \
+        const __m256 hi_odd = mci_odd8(hi), hi_even = mci_even8(hi);                           \
+        _Pragma("GCC unroll 4") for (int j = 0; j < T; j++) {                                  \
+            const float *xc = xw + (j * chunks + c) * 32;                                      \
+            acc[i][j][0] = _mm256_fmadd_ps(lo_odd, _mm256_loadu_ps(xc), acc[i][j][0]);         \
+            acc[i][j][0] = _mm256_fmadd_ps(lo_even, _mm256_loadu_ps(xc + 8), acc[i][j][0]);    \
+            acc[i][j][1] = _mm256_fmadd_ps(hi_odd, _mm256_loadu_ps(xc + 16), acc[i][j][1]);    \
+            acc[i][j][1] = _mm256_fmadd_ps(hi_even, _mm256_loadu_ps(xc + 24), acc[i][j][1]);   \
+        }                                                                                      \
+    }
+
+/* Weight rows [n, n + F) for T widened rows of x: acc[i][j] holds lanes 0-7 and 8-15 of
+ * cpu_matvec's 16-lane accumulator, so each output's sum is the AVX-512 kernel's (F x T x 2
+ * accumulators stay within AVX2's 16 registers). A row's last chunk (k not a multiple of 32)
+ * is read through a zero-padded copy. */
+static inline __attribute__((always_inline)) void block_avx2(const float *xw, long chunks,
+                                                             const uint16_t *w, long k,
+                                                             const Sink *y, const int T,
+                                                             const int F, long n) {
+    const long full = k / 32;
+    __m256 acc[F][T][2];
+    _Pragma("GCC unroll 8") for (int i = 0; i < F; i++)
+        _Pragma("GCC unroll 4") for (int j = 0; j < T; j++)
+            acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+    const uint16_t *wr = w + n * k;
+    long c = 0;
+    for (; c < full; c++) {
+        MCI_CHUNK(F, T, {
+            _mm_prefetch((const char *)(wr + (PREFETCH * F + i) * k + c * 32), _MM_HINT_T0);
+            lo = _mm256_loadu_si256((const __m256i *)(wr + i * k + c * 32));
+            hi = _mm256_loadu_si256((const __m256i *)(wr + i * k + c * 32 + 16));
+        })
+    }
+    if (c < chunks) {
+        MCI_CHUNK(F, T, {
+            uint16_t part[32] = {0};
+            __builtin_memcpy(part, wr + i * k + c * 32, (k - c * 32) * sizeof(uint16_t));
+            lo = _mm256_loadu_si256((const __m256i *)part);
+            hi = _mm256_loadu_si256((const __m256i *)(part + 16));
+        })
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < F; i++)
+        _Pragma("GCC unroll 4") for (int j = 0; j < T; j++)
+            store(y, j, n + i, mci_reduce_halves(acc[i][j][0], acc[i][j][1]));
+}
+
+/* Rows [n0, n1): blocks of F weight rows, then the last rows one at a time. */
+static inline __attribute__((always_inline)) void block_rows_avx2(
+    const float *xw, long chunks, const uint16_t *w, long k, const Sink *y, const int T,
+    const int F, long n0, long n1) {
+    long n = n0;
+    for (; n + F <= n1; n += F) block_avx2(xw, chunks, w, k, y, T, F, n);
+    for (; n < n1; n++) block_avx2(xw, chunks, w, k, y, T, 1, n);
+}
+
+void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
+                    long n0, long n1) {
+    const long chunks = (k + 31) / 32;
+    float *xw = malloc(sizeof(float) * 32 * chunks * (m < TOKENS ? m : TOKENS));
+    for (long r = 0; r < m; r += TOKENS) {
+        const int t = (m - r) < TOKENS ? (int)(m - r) : TOKENS;
+        widen_rows(x + r * ldx, ldx, t, k, xw);
+        const Sink yr = sink_rows(y, r);
+        switch (t) {
+        case 1: block_rows_avx2(xw, chunks, w, k, &yr, 1, 4, n0, n1); break;
+        case 2: block_rows_avx2(xw, chunks, w, k, &yr, 2, 2, n0, n1); break;
+        case 3: block_rows_avx2(xw, chunks, w, k, &yr, 3, 2, n0, n1); break;
+        default: block_rows_avx2(xw, chunks, w, k, &yr, 4, 1, n0, n1); break;
+        }
+    }
+    free(xw);
+}
+#endif
 
 /* The share [n0, n1) of n features that thread `id` of `count` takes (whole FEATS blocks). */
 void mci_share(long n, int id, int count, long *n0, long *n1) {

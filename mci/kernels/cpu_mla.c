@@ -19,6 +19,7 @@
 #define MAX_HEADS_PER_ITEM 16
 #define MAX_LATENT 1024 /* c: DeepSeek-V3 has 512 */
 
+#ifdef __AVX512F__
 static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const int64_t *slots,
                        long len, long c, float scale, uint16_t *out, int heads, float *scores) {
     const long d_full = d & ~31L;
@@ -89,6 +90,122 @@ static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const i
         for (long j = 0; j < c; j++) out[h * c + j] = round_bf16(acc[h][j] * inv);
     }
 }
+
+#else /* AVX2 (cpu_avx2.h): the AVX-512 code's sums and exps, lane for lane */
+
+#define HEAD_BLOCK 4 /* heads whose scores share one pass over a key row (8 accumulators) */
+
+static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const int64_t *slots,
+                       long len, long c, float scale, uint16_t *out, int heads, float *scores) {
+    const long chunks = (d + 31) / 32, full = d / 32;
+    /* the queries widened once, as cpu_matvec.c's widen_rows lays rows out */
+    float *qw = malloc(sizeof(float) * heads * chunks * 32);
+    for (int h = 0; h < heads; h++)
+        for (long ch = 0; ch < chunks; ch++) {
+            uint16_t part[32] = {0};
+            const long n = d - ch * 32 < 32 ? d - ch * 32 : 32;
+            __builtin_memcpy(part, q + h * d + ch * 32, n * sizeof(uint16_t));
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)part);
+            const __m256i hi = _mm256_loadu_si256((const __m256i *)(part + 16));
+            float *o = qw + (h * chunks + ch) * 32;
+            _mm256_storeu_ps(o, mci_odd8(lo));
+            _mm256_storeu_ps(o + 8, mci_even8(lo));
+            _mm256_storeu_ps(o + 16, mci_odd8(hi));
+            _mm256_storeu_ps(o + 24, mci_even8(hi));
+        }
+    /* pass 1: scores [heads][len] */
+    for (long l = 0; l < len; l++) {
+        const uint16_t *row = cache + slots[l] * d;
+        for (int h0 = 0; h0 < heads; h0 += HEAD_BLOCK) {
+            const int nh = heads - h0 < HEAD_BLOCK ? heads - h0 : HEAD_BLOCK;
+            __m256 acc[HEAD_BLOCK][2];
+            for (int h = 0; h < HEAD_BLOCK; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+            for (long ch = 0; ch < chunks; ch++) {
+                __m256i lo, hi;
+                if (ch < full) {
+                    lo = _mm256_loadu_si256((const __m256i *)(row + ch * 32));
+                    hi = _mm256_loadu_si256((const __m256i *)(row + ch * 32 + 16));
+                } else {
+                    uint16_t part[32] = {0};
+                    __builtin_memcpy(part, row + ch * 32, (d - ch * 32) * sizeof(uint16_t));
+                    lo = _mm256_loadu_si256((const __m256i *)part);
+                    hi = _mm256_loadu_si256((const __m256i *)(part + 16));
+                }
+                const __m256 lo_odd = mci_odd8(lo), lo_even = mci_even8(lo);
+                const __m256 hi_odd = mci_odd8(hi), hi_even = mci_even8(hi);
+                _Pragma("GCC unroll 4") for (int h = 0; h < HEAD_BLOCK; h++) {
+                    if (h >= nh) break;
+                    const float *qc = qw + ((h0 + h) * chunks + ch) * 32;
+                    acc[h][0] = _mm256_fmadd_ps(lo_odd, _mm256_loadu_ps(qc), acc[h][0]);
+                    acc[h][0] = _mm256_fmadd_ps(lo_even, _mm256_loadu_ps(qc + 8), acc[h][0]);
+                    acc[h][1] = _mm256_fmadd_ps(hi_odd, _mm256_loadu_ps(qc + 16), acc[h][1]);
+                    acc[h][1] = _mm256_fmadd_ps(hi_even, _mm256_loadu_ps(qc + 24), acc[h][1]);
+                }
+            }
+            for (int h = 0; h < nh; h++)
+                scores[(h0 + h) * len + l] = mci_reduce_halves(acc[h][0], acc[h][1]) * scale;
+        }
+    }
+    /* softmax per head, in place: 16 lanes as two halves, the tail's missing lanes zero */
+    float total[MAX_HEADS_PER_ITEM];
+    for (int h = 0; h < heads; h++) {
+        float *s = scores + h * len;
+        float mx = -INFINITY;
+        for (long l = 0; l < len; l++) mx = s[l] > mx ? s[l] : mx;
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
+        long l = 0;
+        for (; l + 16 <= len; l += 16) {
+            const __m256 e_lo = mci_exp256(_mm256_sub_ps(_mm256_loadu_ps(s + l), vmx));
+            const __m256 e_hi = mci_exp256(_mm256_sub_ps(_mm256_loadu_ps(s + l + 8), vmx));
+            _mm256_storeu_ps(s + l, e_lo);
+            _mm256_storeu_ps(s + l + 8, e_hi);
+            sum_lo = _mm256_add_ps(sum_lo, e_lo);
+            sum_hi = _mm256_add_ps(sum_hi, e_hi);
+        }
+        if (l < len) {
+            float part[16] __attribute__((aligned(32)));
+            for (int i = 0; i < 16; i++) part[i] = l + i < len ? s[l + i] : 0.0f;
+            const __m256i keep_lo = mci_mask8((1u << (len - l < 8 ? len - l : 8)) - 1);
+            const __m256i keep_hi = mci_mask8(len - l > 8 ? (1u << (len - l - 8)) - 1 : 0);
+            const __m256 e_lo = _mm256_and_ps(_mm256_castsi256_ps(keep_lo),
+                                              mci_exp256(_mm256_sub_ps(_mm256_load_ps(part), vmx)));
+            const __m256 e_hi = _mm256_and_ps(_mm256_castsi256_ps(keep_hi),
+                                              mci_exp256(_mm256_sub_ps(_mm256_load_ps(part + 8), vmx)));
+            _mm256_store_ps(part, e_lo);
+            _mm256_store_ps(part + 8, e_hi);
+            for (long i = l; i < len; i++) s[i] = part[i - l];
+            sum_lo = _mm256_add_ps(sum_lo, e_lo);
+            sum_hi = _mm256_add_ps(sum_hi, e_hi);
+        }
+        total[h] = mci_reduce_halves(sum_lo, sum_hi);
+    }
+    /* pass 2: out[h] = sum_l p[h][l] * row[:c], float32 accumulators in L1 (each element's
+     * products added in the order of l, as the AVX-512 code does) */
+    float acc[MAX_HEADS_PER_ITEM][MAX_LATENT] __attribute__((aligned(32)));
+    for (int h = 0; h < heads; h++)
+        for (long j = 0; j < c; j++) acc[h][j] = 0.0f;
+    const long c_full = c & ~7L;
+    for (long l = 0; l < len; l++) {
+        const uint16_t *row = cache + slots[l] * d;
+        for (long j = 0; j < c_full; j += 8) {
+            const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + j))), 16));
+            for (int h = 0; h < heads; h++)
+                _mm256_store_ps(acc[h] + j, _mm256_fmadd_ps(_mm256_set1_ps(scores[h * len + l]), v,
+                                                             _mm256_load_ps(acc[h] + j)));
+        }
+        for (long j = c_full; j < c; j++)
+            for (int h = 0; h < heads; h++)
+                acc[h][j] = fmaf(scores[h * len + l], bf16_to_float(row[j]), acc[h][j]);
+    }
+    for (int h = 0; h < heads; h++) {
+        const float inv = 1.0f / total[h];
+        for (long j = 0; j < c; j++) out[h * c + j] = round_bf16(acc[h][j] * inv);
+    }
+    free(qw);
+}
+#endif
 
 /* Returns 0, or -1 when the shapes exceed this kernel's fixed buffers (caller falls back). */
 int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,

@@ -328,23 +328,26 @@ class MultiHeadLatentAttention(nn.Module):
         absorbed path's bmms take them, then the same two as the skinny kernels take them
         (W_UK^T [H, kv_lora, nope], W_UV [H, v, kv_lora]). Under inference mode they are made
         once per dtype (weights do not change while serving; FP8 is dequantised once, not per
-        step). The kernel layouts are None unless the CPU kernels run here; float32 where
-        kv_b_proj's bf16 weight is widened (layers/linear.py)."""
+        step). The kernel layouts are None unless the CPU kernels run here; the bmm layouts
+        are float32 where kv_b_proj's bf16 weight is widened (layers/linear.py)."""
         cache = self._absorb_cache
         kernels = self.kv_b_proj.matvec is not None  # the kernel layouts only where they run
         if (dtype, kernels) in cache:
             return cache[dtype, kernels]
         proj = self.kv_b_proj
-        dense = proj.widened if dtype == proj.weight.dtype and proj.widened is not None else None
-        if dense is None:
-            dense = proj.dense_weight(dtype)
-        w = dense.view(self.num_heads, self.nope + self.v_dim, -1)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        dense = proj.dense_weight(dtype)
+        wide = proj.widened if dtype == proj.weight.dtype and proj.widened is not None else dense
+
+        def heads(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # W_UK, W_UV
+            w = weight.view(self.num_heads, self.nope + self.v_dim, -1)
+            return w[:, : self.nope], w[:, self.nope :]
+
+        (w_uk, w_uv), (k_uk, k_uv) = heads(wide), heads(dense)
         weights = (
             w_uk.contiguous(),
             w_uv.transpose(1, 2).contiguous(),
-            w_uk.transpose(1, 2).contiguous() if kernels else None,
-            w_uv.contiguous() if kernels else None,
+            k_uk.transpose(1, 2).contiguous() if kernels else None,
+            k_uv.contiguous() if kernels else None,
         )
         if torch.is_inference_mode_enabled():
             cache[dtype, kernels] = weights
@@ -452,6 +455,8 @@ class MultiHeadLatentAttention(nn.Module):
         """The CPU kernels when prefill attention runs on them (bf16 on the CPU), else None."""
         kernels = self.kv_a_layernorm.kernels
         if kernels is None or q.dtype != torch.bfloat16 or q.device.type != "cpu":
+            return None
+        if kernels.isa == "avx2":  # measured slower than the flash kernel there (2.3x at 2k)
             return None
         return kernels if q.shape[-1] % 2 == 0 else None
 

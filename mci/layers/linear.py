@@ -243,9 +243,9 @@ class Linear(nn.Module):
         if not can_pack(w):  # no bf16 matmul instructions: float32 matmuls (see above)
             if self.widened is None:
                 self.widened = w.float()
-            return True
-        if self._packed is None:
+        elif self._packed is None:
             self._packed = [pack_weight(r) for r in ([w] if w.dim() == 2 else list(w))]
+        # the kernels' skinny matmuls at a few rows (their AVX2 build where oneDNN has no bf16)
         self.matvec = kernels
         self.kernel = cpu_kernels.KernelWeight(w.contiguous()) if kernels is not None else None
         return True
@@ -276,15 +276,16 @@ class Linear(nn.Module):
         if self.kernel is not None and self.kernel.fp8:
             self.kernel.set_skinny_order(enabled)
 
-    def skinny(self, rows: int, limit: int | None = None):
+    def skinny(self, rows: int, expert_rows: bool = False):
         """The skinny-matmul kernels (a `cpu_kernels.CpuKernels`) when a call of `rows` rows
-        should use them: packed for the CPU, at most `limit` rows (default
-        `cpu_kernels.MAX_ROWS`), and not batch-invariant (that mode keeps one kernel, oneDNN's,
-        for every row count); else None."""
-        limit = cpu_kernels.MAX_ROWS if limit is None else limit
-        if self.matvec is None or self.fixed_rows is not None or rows > limit:
+        should use them: packed for the CPU, at most the kernels' `max_rows` (a routed
+        expert's `expert_max_rows` with `expert_rows`), and not batch-invariant (that mode
+        keeps one kernel, oneDNN's, for every row count); else None."""
+        matvec = self.matvec
+        if matvec is None or self.fixed_rows is not None:
             return None
-        return self.matvec
+        limit = matvec.expert_max_rows if expert_rows else matvec.max_rows
+        return matvec if rows <= limit else None
 
     def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
         if self.kernel is not None and x.dtype == torch.bfloat16 and not x.requires_grad:

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mci.kernels import cpu_kernels
 from mci.layers.linear import (
     BATCH_INVARIANT_ROWS,
     Linear,
@@ -92,7 +91,7 @@ class RoutedExperts(nn.Module):
     * looped: one matmul pair per *active* expert (never per token) — reads only the weights
       of the experts in use, the right choice when few are (a decode step of a few requests);
     * skinny: the loop's work in two calls of the CPU kernels (mci/kernels/), when no
-      active expert has more than `cpu_kernels.EXPERT_MAX_ROWS` tokens (decode steps of up
+      active expert has more than the kernels' `expert_max_rows` tokens (decode steps of up
       to ~48 requests); taken first wherever it runs;
     * grouped: every expert's tokens padded to a common count and run as two batched matmuls
       over all experts — two calls instead of two per expert, the right choice when most
@@ -175,7 +174,7 @@ class RoutedExperts(nn.Module):
         counts_list = counts.tolist()
         if not order.numel():
             return x.new_zeros(x.shape, dtype=torch.float32)
-        matvec = self.gate_up_proj.skinny(max(counts_list), cpu_kernels.EXPERT_MAX_ROWS)
+        matvec = self.gate_up_proj.skinny(max(counts_list), expert_rows=True)
         if matvec is not None:
             sorted_weights = weights.flatten()[order]
             return self._skinny(matvec, x_sorted, counts_list, token_idx, sorted_weights, len(x))
@@ -263,7 +262,7 @@ class MoE(nn.Module):
     On one process with the CPU kernels, the whole block after the router's matmul is one call
     (mci/kernels/cpu_moe.c: the same operations as below, about 45 small torch ops fewer per
     layer): its experts on the skinny kernels when none gets more than
-    `cpu_kernels.EXPERT_MAX_ROWS` tokens, else on AMX tiles (prefill chunks; the shared experts
+    the kernels' `expert_max_rows` tokens, else on AMX tiles (prefill chunks; the shared experts
     then run below as usual). Without AMX such a step falls back to the paths below, fed the
     routing the call computed.
 
@@ -298,7 +297,7 @@ class MoE(nn.Module):
         if (
             matvec is None
             or self.parallel.world_size > 1
-            or (x.shape[0] > cpu_kernels.MAX_ROWS and self.experts.amx is None)
+            or (x.shape[0] > matvec.max_rows and self.experts.amx is None)
             or x.dtype != torch.float32
             or self.gate.batch_invariant  # the gate's own kernel, row by row
         ):
@@ -331,7 +330,7 @@ class MoE(nn.Module):
                 (self.experts.gate_up_proj.kernel, self.experts.down_proj.kernel),
                 self.experts.amx,
                 (shared.gate_up_proj.kernel, shared.down_proj.kernel) if in_call else None,
-                cpu_kernels.EXPERT_MAX_ROWS,
+                matvec.expert_max_rows,
             )
             if out is not None:
                 return out if shared is None or in_call else out + shared(x.to(self.dtype))

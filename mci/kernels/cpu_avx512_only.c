@@ -1,0 +1,28 @@
+/* The AVX-512-only kernels' entry points in the AVX2 library (build.py): FP8 (AVX512-VBMI's
+ * byte lookups, cpu_fp8.c) and AMX (cpu_amx.c) do not run on such a CPU, and cpu_kernels.py
+ * never calls them there (CpuKernels.fp8 and .amx are False). They exist so the shared
+ * kernels link; reaching one is a bug, so it aborts rather than return wrong numbers. */
+#include <stdlib.h>
+
+#include "cpu_kernels.h"
+
+void mci_fp8_rows_range(const uint16_t *x, long ldx, const Weight *w, long k, Sink y, long m,
+                        long n0, long n1) {
+    (void)x, (void)ldx, (void)w, (void)k, (void)y, (void)m, (void)n0, (void)n1;
+    abort();
+}
+
+int mci_amx_init(void) { return -1; }
+
+void mci_amx_pack(const uint16_t *w, long experts, long n, long k, uint16_t *out) {
+    (void)w, (void)experts, (void)n, (void)k, (void)out;
+    abort();
+}
+
+void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, Sink y,
+                          const int64_t *ids, const int64_t *starts, const int64_t *counts,
+                          long segments, long n, long k) {
+    (void)x, (void)ldx, (void)packed, (void)y, (void)ids, (void)starts, (void)counts;
+    (void)segments, (void)n, (void)k;
+    abort();
+}
