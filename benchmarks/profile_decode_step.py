@@ -12,6 +12,8 @@ machine floor of the same step (`mci bench floors`).
 
     python benchmarks/profile_decode_step.py --model benchmarks/.peers/small-bf16
     python benchmarks/profile_decode_step.py --model CKPT --batch 1,32 --steps 64 --json out.json
+    python benchmarks/profile_decode_step.py --model benchmarks/.peers/small-bf16-32k --batch 1 \
+        --context 8192    # decode at 8k of context
 """
 
 from __future__ import annotations
@@ -37,8 +39,6 @@ from mci.model_config import load_config
 from mci.models.loader import load_model
 from mci.tokenizer import TextTokenizer
 
-PROMPT_LEN = 32
-
 
 class PhaseClock:
     """Wraps callables so that each call's wall time adds to its phase."""
@@ -57,24 +57,28 @@ class PhaseClock:
         return timed
 
 
-def build(model_path: Path, dtype: str):
+def build(model_path: Path, dtype: str, context: int):
     model = load_model(model_path, dtype)
     tokenizer = TextTokenizer.load(model_path)
     config = EngineConfig(
         model=ModelPlacement(model_path=model_path, dtype=dtype),
-        cache=CacheConfig(max_total_tokens=32768),
+        cache=CacheConfig(max_total_tokens=max(32768, 2 * context + 4096)),
     )
     return build_engine_core(config, model, tokenizer)
 
 
-def profile(core, batch: int, steps: int, top: int) -> dict:
+def profile(core, batch: int, steps: int, top: int, context: int) -> dict:
     gen = torch.Generator().manual_seed(batch)
     vocab = core.runner.model.cfg.vocab_size
     for i in range(batch):
-        prompt = torch.randint(10, vocab, (PROMPT_LEN,), generator=gen).tolist()
+        prompt = torch.randint(10, vocab, (context,), generator=gen).tolist()
         params = SamplingParams(max_new_tokens=10_000, temperature=0, ignore_eos=True)
         core.add_request(Request(f"b{batch}-{i}", prompt, params))
-    for _ in range(4):  # prefill, then a few decode steps (every request decoding)
+    while any(r.num_computed_tokens < len(r.prompt_ids) for r in core.scheduler.running) or (
+        core.scheduler.waiting
+    ):  # every prompt prefilled (in chunks where long), then a few decode steps
+        core.step()
+    for _ in range(3):
         core.step()
 
     clock = PhaseClock()
@@ -130,17 +134,18 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", default="1,32", help="comma-separated batch sizes")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--context", type=int, default=32, help="prompt tokens of each request")
     ap.add_argument("--top", type=int, default=15, help="operators shown from the profile")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
     machine = measure_machine()
     cost = ModelCost.of(load_config(args.model))
-    core = build(args.model, args.dtype)
+    core = build(args.model, args.dtype, args.context)
     results = []
     for batch in (int(b) for b in args.batch.split(",")):
-        got = profile(core, batch, args.steps, args.top)
-        shape = FloorShape("step", batch, PROMPT_LEN + 8, 2 * args.steps)
+        got = profile(core, batch, args.steps, args.top, args.context)
+        shape = FloorShape("step", batch, args.context + 8, 2 * args.steps)
         got["floor_ms"] = floors(cost, machine, shape)["tpot_ms"]
         results.append(got)
         phases = ", ".join(f"{k} {v:.2f}" for k, v in got["phases_ms"].items())
