@@ -182,7 +182,16 @@ def test_serve_ray_deploys_prefill_and_decode_as_two_deployments(tmp_path):
     )  # fmt: skip
     try:
         _wait_healthy(proc, url, tmp_path / "serve-ray.log")
-        status = httpx.get(url + "/ray/status", timeout=30).json()["mci"]
+        # /health answers once a decode replica does (decode alone can serve); the prefill
+        # replica may still be starting then
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            status = httpx.get(url + "/ray/status", timeout=30).json()["mci"]
+            states = [status[name]["replica_states"] for name in ("mci-prefill", "mci-decode")]
+            if all(state.get("RUNNING") for state in states):
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(1)
         assert set(status) == {"mci-ingress", "mci-prefill", "mci-decode"}
         assert status["mci-prefill"]["replica_states"].get("RUNNING") == 1
         assert status["mci-decode"]["replica_states"].get("RUNNING") == 1
