@@ -292,11 +292,11 @@ def _packed_moe(checkpoint, size: str) -> tuple:
 
 def _general_path(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """The MoE block's output on its torch paths (not the one-call kernel)."""
-    moe._one_call = lambda x: None
+    moe.bound_call = lambda rows: None
     try:
         return moe(x)
     finally:
-        del moe._one_call
+        del moe.bound_call
 
 
 @pytest.mark.parametrize("size", ["tiny", "small"])
@@ -311,7 +311,7 @@ def test_one_call_moe_and_gated_mlp_take_the_eager_steps(checkpoint, size):
     with torch.inference_mode():
         for t in (1, 5, 12):
             x = torch.randn(t, model.cfg.hidden_size, generator=g) * 2
-            assert moe._one_call(x) is not None
+            assert moe.bound_call(t) is not None
             fused = moe(x)
             weights, ids = moe.gate(x)
             experts = moe.experts.gate_up_proj.weight, moe.experts.down_proj.weight
@@ -342,6 +342,7 @@ def test_attention_in_one_call_is_the_kernel_path_bit_for_bit(checkpoint, config
 
     model = load_model(checkpoint(dtype="bfloat16", **config), "bfloat16")
     model.pack_for_cpu()
+    monkeypatch.setattr(model, "_decode_on_kernels", lambda *args: None)  # layer by layer
     one_call = MultiHeadLatentAttention.decode_in_one_call
     calls = []
 
@@ -377,6 +378,39 @@ def test_attention_in_one_call_is_the_kernel_path_bit_for_bit(checkpoint, config
     assert calls and not any(calls)
 
 
+@pytest.mark.parametrize("config", [{"size": "tiny"}, {"size": "small"}])
+def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(checkpoint, config):
+    """A decode step whose every layer runs on the kernels goes through each layer's bound
+    calls (DecoderLayer.decode_on_kernels, made once per row count): the same hidden states,
+    logits and cache writes as the layers' own forward, for 1, 3 and the kernels' most rows
+    (dense and MoE layers, the shared experts inside the call); a prefill step does not."""
+    model = load_model(checkpoint(dtype="bfloat16", **config), "bfloat16")
+    model.pack_for_cpu()
+    bound = model._decode_on_kernels
+    for rows in (1, 3, matvec.max_rows):
+        results = []
+        for take in (True, False):
+            model._decode_on_kernels = bound if take else (lambda *args: None)
+            cache = model.allocate_kv_cache(2048)
+            cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(2)))
+            chunks = [SequenceChunk(torch.arange(b * 60, b * 60 + 40 + b), 1) for b in range(rows)]
+            meta = AttentionMetadata.build(chunks, "cpu", model.attention_layout)
+            ids = torch.randint(0, 2048, (rows,), generator=torch.Generator().manual_seed(rows))
+            with torch.inference_mode():
+                hidden = model(ids, meta, cache)
+                results.append((hidden, model.logits(hidden), cache))
+        assert model._kernel_steps[rows] is not None  # taken, with every layer bound
+        for got, want in zip(results[0], results[1], strict=True):
+            assert torch.equal(got, want)
+    del model._decode_on_kernels  # the class's method again
+    prefill = AttentionMetadata.build(
+        [SequenceChunk(torch.arange(30), 30)], "cpu", model.attention_layout
+    )
+    with torch.inference_mode():
+        model(torch.arange(30), prefill, model.allocate_kv_cache(64))
+    assert 30 not in model._kernel_steps
+
+
 @pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")
 def test_prefill_sized_moe_on_amx_stays_with_the_grouped_path(checkpoint):
     """A chunk of tokens busy enough for the AMX experts: every element within a bf16 rounding
@@ -388,7 +422,7 @@ def test_prefill_sized_moe_on_amx_stays_with_the_grouped_path(checkpoint):
     with torch.inference_mode():
         for t in (40, 129, 300):
             x = torch.randn(t, model.cfg.hidden_size, generator=g) * 2
-            assert moe._one_call(x) is not None
+            assert moe.bound_call(t) is not None
             amx = moe(x)
             grouped = _general_path(moe, x)
             scale = grouped.abs().max()

@@ -526,6 +526,18 @@ class CpuKernels:
         self._amx_pack(weight.data_ptr(), e, n, k, out.data_ptr())
         return out
 
+    def bind_moe(
+        self,
+        router: MoERouting,
+        experts: tuple[torch.Tensor | KernelWeight, torch.Tensor | KernelWeight],
+        amx: tuple[torch.Tensor, torch.Tensor] | None,
+        shared: tuple[torch.Tensor | KernelWeight, torch.Tensor | KernelWeight] | None,
+        max_rows: int,
+    ) -> BoundMoE:
+        """`moe`'s arguments that stay fixed for one MoE layer, converted once: a decode step
+        calls it with only its rows (see BoundMoE)."""
+        return BoundMoE(self, router, experts, amx, shared, max_rows)
+
     def moe(
         self,
         x: torch.Tensor,
@@ -543,33 +555,17 @@ class CpuKernels:
         -> (out float32 [T, hidden], or None when an expert has more than `max_rows` tokens
         and there are no AMX weights; routing weights float32 [T, K]; expert ids int64
         [T, K])."""
-        gate_up, down = (self._check(kernel_weight(w)) for w in experts)
-        amx_gate_up, amx_down = amx if amx is not None else (None, None)
-        t, hidden = x.shape
-        e, k = logits.shape[1], router.top_k
-        x, logits = x.contiguous(), logits.contiguous()
-        weights = torch.empty(t, k, dtype=torch.float32)
-        ids = torch.empty(t, k, dtype=torch.long)
-        out = torch.empty(t, hidden, dtype=torch.float32)
-        s_gate_up, s_down = (
-            (self._check(kernel_weight(w)) for w in shared) if shared is not None else (None, None)
-        )
-        status = self._moe(
-            x.data_ptr(), logits.data_ptr(), router.bias.data_ptr(), t, e, router.n_group,
-            router.topk_group, k, int(router.norm_topk_prob), router.scaling,
-            weights.data_ptr(), ids.data_ptr(), gate_up.address, down.address,
-            None if amx_gate_up is None else amx_gate_up.data_ptr(),
-            None if amx_down is None else amx_down.data_ptr(), hidden,
-            down.k, None if s_gate_up is None else s_gate_up.address,
-            None if s_down is None else s_down.address,
-            0 if s_down is None else s_down.k, max_rows, out.data_ptr(),
-        )  # fmt: skip
-        return (None if status else out), weights, ids
+        return self.bind_moe(router, experts, amx, shared, max_rows)(x, logits)
+
+    def bind_mla(self, layer: MLAWeights) -> BoundMLA:
+        """`mla_decode`'s arguments that stay fixed for one attention layer, converted once
+        (see BoundMLA)."""
+        return BoundMLA(self, layer)
 
     def mla_decode(
         self,
         x: torch.Tensor,
-        layer: MLAWeights,
+        layer: MLAWeights | BoundMLA,
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: torch.Tensor,
@@ -582,26 +578,98 @@ class CpuKernels:
         cache[kv_slots[t, :lengths[t]]] (one layer's latent rows, bf16 contiguous) after this
         step's latents are written to cache[write_slots]; cos/sin float32 [T, r/2].
         -> float32 [T, hidden]. The same steps as the layer's kernel path (cpu_mla.c)."""
+        bound = layer if isinstance(layer, BoundMLA) else self.bind_mla(layer)
+        return bound(x, cos, sin, cache, write_slots, kv_slots, lengths)
+
+
+class BoundMoE:
+    """One MoE layer's `CpuKernels.moe`, its fixed arguments converted once (weights'
+    addresses, the router's constants): a call passes only the step's rows. Holds the
+    weights' KernelWeights, so the addresses stay valid while it lives."""
+
+    def __init__(self, kernels: CpuKernels, router: MoERouting, experts, amx, shared, max_rows):
+        check = kernels._check
+        gate_up, down = (check(kernel_weight(w)) for w in experts)
+        amx_gate_up, amx_down = amx if amx is not None else (None, None)
+        s_gate_up, s_down = (
+            (check(kernel_weight(w)) for w in shared) if shared is not None else (None, None)
+        )
+        self._call = kernels._moe
+        self.weights = (gate_up, down, s_gate_up, s_down, amx, router.bias)
+        self.top_k = router.top_k
+        self._router = (
+            router.n_group, router.topk_group, router.top_k, int(router.norm_topk_prob),
+            router.scaling,
+        )  # fmt: skip
+        self._bias = router.bias.data_ptr()
+        self._experts = (
+            gate_up.address, down.address,
+            None if amx_gate_up is None else amx_gate_up.data_ptr(),
+            None if amx_down is None else amx_down.data_ptr(),
+        )  # fmt: skip
+        self._shared = (
+            down.k,
+            None if s_gate_up is None else s_gate_up.address,
+            None if s_down is None else s_down.address,
+            0 if s_down is None else s_down.k,
+            max_rows,
+        )  # fmt: skip
+
+    def __call__(
+        self, x: torch.Tensor, logits: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """x float32 [T, hidden], logits float32 [T, E] -> `CpuKernels.moe`'s result."""
         t, hidden = x.shape
-        c, v = layer.w_uv.shape[2], layer.w_uv.shape[1]
+        x, logits = x.contiguous(), logits.contiguous()
+        weights = torch.empty(t, self.top_k, dtype=torch.float32)
+        ids = torch.empty(t, self.top_k, dtype=torch.long)
+        out = torch.empty(t, hidden, dtype=torch.float32)
+        status = self._call(
+            x.data_ptr(), logits.data_ptr(), self._bias, t, logits.shape[1], *self._router,
+            weights.data_ptr(), ids.data_ptr(), *self._experts, hidden, *self._shared,
+            out.data_ptr(),
+        )  # fmt: skip
+        return (None if status else out), weights, ids
+
+
+class BoundMLA:
+    """One attention layer's `CpuKernels.mla_decode`, its fixed arguments converted once
+    (weights' addresses, sizes, norms' constants): a call passes only the step's rows,
+    rope tables, cache and slots. Holds the layer's weights, so the addresses stay valid."""
+
+    def __init__(self, kernels: CpuKernels, layer: MLAWeights):
         for weight in (layer.qkv_a, layer.q_b, layer.o):
             if weight is not None:
-                self._check(weight)
+                kernels._check(weight)
+        c, v = layer.w_uv.shape[2], layer.w_uv.shape[1]
+        if c > MAX_LATENT:
+            raise ValueError(f"mla_decode: kv_lora_rank {c} > {MAX_LATENT}")
+        self._call = kernels._mla
+        self.layer = layer
+        q_norm, q_eps = layer.q_norm if layer.q_norm is not None else (None, 0.0)
+        self._head = (
+            layer.norm[0].data_ptr(), layer.norm[1], layer.qkv_a.address, layer.q_dim,
+            None if q_norm is None else q_norm.data_ptr(), q_eps,
+            None if layer.q_b is None else layer.q_b.address, layer.heads, layer.nope,
+            layer.rope, c, v, layer.kv_norm[0].data_ptr(), layer.kv_norm[1],
+        )  # fmt: skip
+        self._interleave = int(layer.interleave)
+        self._absorbed = (layer.w_uk_t.data_ptr(), layer.w_uv.data_ptr())
+        self._tail = (layer.scale, layer.o.address)
+
+    def __call__(self, x, cos, sin, cache, write_slots, kv_slots, lengths) -> torch.Tensor:
+        """`CpuKernels.mla_decode` with this layer's weights."""
+        t, hidden = x.shape
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         if kv_slots.stride(1) != 1 or not cache.is_contiguous():
             raise ValueError("mla_decode: cache rows and slots must be contiguous")
         out = torch.empty(t, hidden, dtype=torch.float32)
-        q_norm, q_eps = layer.q_norm if layer.q_norm is not None else (None, 0.0)
-        status = self._mla(
-            x.data_ptr(), t, hidden, layer.norm[0].data_ptr(), layer.norm[1],
-            layer.qkv_a.address, layer.q_dim, None if q_norm is None else q_norm.data_ptr(),
-            q_eps, None if layer.q_b is None else layer.q_b.address, layer.heads,
-            layer.nope, layer.rope, c, v, layer.kv_norm[0].data_ptr(), layer.kv_norm[1],
-            cos.data_ptr(), sin.data_ptr(), int(layer.interleave), cache.data_ptr(),
-            write_slots.data_ptr(), layer.w_uk_t.data_ptr(), layer.w_uv.data_ptr(),
-            kv_slots.data_ptr(), kv_slots.stride(0), lengths.data_ptr(), layer.scale,
-            layer.o.address, out.data_ptr(),
+        status = self._call(
+            x.data_ptr(), t, hidden, *self._head, cos.data_ptr(), sin.data_ptr(),
+            self._interleave, cache.data_ptr(), write_slots.data_ptr(), *self._absorbed,
+            kv_slots.data_ptr(), kv_slots.stride(0), lengths.data_ptr(), *self._tail,
+            out.data_ptr(),
         )  # fmt: skip
         if status != 0:
-            raise ValueError(f"mla_decode: kv_lora_rank {c} > {MAX_LATENT}")
+            raise ValueError(f"mla_decode: status {status}")
         return out

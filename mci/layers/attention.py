@@ -85,6 +85,24 @@ def choose_absorbed(cfg: ModelConfig, meta: AttentionMetadata | AttentionGroup) 
     return absorbed <= expanded
 
 
+def decode_group(
+    meta: AttentionMetadata, absorbed: tuple[bool, ...], rows: int
+) -> AttentionGroup | None:
+    """The step's one group when a step of `rows` rows is a decode the one-call kernels run
+    (`MultiHeadLatentAttention.decode_in_one_call`): one group of rows 0..rows-1 in order,
+    with context lengths, on the absorbed path; else None."""
+    group = meta.groups[0]
+    if (
+        len(meta.groups) != 1
+        or group.lengths is None
+        or not absorbed[0]
+        or not isinstance(group.rows, slice)
+        or group.rows != slice(0, rows)
+    ):
+        return None
+    return group
+
+
 @dataclass(frozen=True)
 class _OneCallWeights:
     """A layer's weights as `cpu_kernels.CpuKernels.mla_decode` takes them (its MLAWeights)."""
@@ -150,7 +168,7 @@ class MultiHeadLatentAttention(nn.Module):
         self._absorb_cache: dict[tuple[torch.dtype, bool], tuple[torch.Tensor | None, ...]] = {}
         self._head_segments: dict[int, torch.Tensor] = {}  # rows -> the kernels' segments
         self.fixed_rows: int | None = None  # rows per batched matmul, for batch invariance
-        self._one_call: _OneCallWeights | None = None  # built on first use (see below)
+        self._one_call: cpu_kernels.BoundMLA | None = None  # built on first use (below)
 
     def set_batch_invariant(self, enabled: bool) -> None:
         self.fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
@@ -242,23 +260,28 @@ class MultiHeadLatentAttention(nn.Module):
         that is one decode group of a few rows on one process; None when the step is not
         such a step (the caller runs the sublayer as usual)."""
         t = x.shape[0]
-        group = meta.groups[0]
-        matvec = self.kv_b_proj.skinny(t)
+        group = decode_group(meta, absorbed, t)
+        if group is None or x.dtype != torch.float32 or kv_cache.dtype != torch.bfloat16:
+            return None
+        bound = self.bound_decode(t, norm)
+        if bound is None:
+            return None
+        cos, sin = rope_cos_sin
+        return bound(x, cos, sin, kv_cache, meta.write_slots, group.kv_slots, group.lengths)
+
+    def bound_decode(self, rows: int, norm: RMSNorm) -> cpu_kernels.BoundMLA | None:
+        """`decode_in_one_call`'s kernel call for a step of `rows` rows (float32 residual
+        rows, a bf16 cache and a `decode_group`, which the caller checks), with this layer's
+        weights bound once; None where the layer does not run on the kernels at that size."""
+        matvec = self.kv_b_proj.skinny(rows)
         if (
             matvec is None
-            or len(meta.groups) != 1
-            or group.lengths is None
-            or not absorbed[0]
-            or not isinstance(group.rows, slice)
-            or group.rows != slice(0, t)
             or self.parallel.tp_size > 1
-            or x.dtype != torch.float32
-            or kv_cache.dtype != torch.bfloat16
             or self.kv_lora_rank > cpu_kernels.MAX_LATENT
             or norm.kernels is None
-            or self.fused_qkv_a_proj.skinny(t) is None
-            or self.o_proj.skinny(t) is None
-            or (self.q_lora_rank is not None and self.q_b_proj.skinny(t) is None)
+            or self.fused_qkv_a_proj.skinny(rows) is None
+            or self.o_proj.skinny(rows) is None
+            or (self.q_lora_rank is not None and self.q_b_proj.skinny(rows) is None)
         ):
             return None
         if self._one_call is None:
@@ -266,26 +289,25 @@ class MultiHeadLatentAttention(nn.Module):
             if w_uk_t is None or not torch.is_inference_mode_enabled():
                 return None
             q_lora = self.q_lora_rank is not None
-            self._one_call = _OneCallWeights(
-                norm=(norm.weight, norm.eps),
-                qkv_a=self.fused_qkv_a_proj.kernel,
-                q_dim=self.fused_qkv_a_proj.part_sizes[0],
-                q_norm=(self.q_a_layernorm.weight, self.q_a_layernorm.eps) if q_lora else None,
-                q_b=self.q_b_proj.kernel if q_lora else None,
-                kv_norm=(self.kv_a_layernorm.weight, self.kv_a_layernorm.eps),
-                w_uk_t=w_uk_t,
-                w_uv=w_uv,
-                o=self.o_proj.kernel,
-                heads=self.num_heads,
-                nope=self.nope,
-                rope=self.rope_dim,
-                interleave=self.interleave,
-                scale=self.scale,
+            self._one_call = matvec.bind_mla(
+                _OneCallWeights(
+                    norm=(norm.weight, norm.eps),
+                    qkv_a=self.fused_qkv_a_proj.kernel,
+                    q_dim=self.fused_qkv_a_proj.part_sizes[0],
+                    q_norm=(self.q_a_layernorm.weight, self.q_a_layernorm.eps) if q_lora else None,
+                    q_b=self.q_b_proj.kernel if q_lora else None,
+                    kv_norm=(self.kv_a_layernorm.weight, self.kv_a_layernorm.eps),
+                    w_uk_t=w_uk_t,
+                    w_uv=w_uv,
+                    o=self.o_proj.kernel,
+                    heads=self.num_heads,
+                    nope=self.nope,
+                    rope=self.rope_dim,
+                    interleave=self.interleave,
+                    scale=self.scale,
+                )
             )
-        cos, sin = rope_cos_sin
-        return matvec.mla_decode(
-            x, self._one_call, cos, sin, kv_cache, meta.write_slots, group.kv_slots, group.lengths
-        )
+        return self._one_call
 
     def _attend(self, q_nope, q_rope, kv_cache, group: AttentionGroup, absorbed: bool):
         """One group's attention: q_* [N, H, *] (N = B * Q rows) -> [N, H, v]."""

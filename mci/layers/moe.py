@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mci.kernels import cpu_kernels
 from mci.layers.linear import (
     BATCH_INVARIANT_ROWS,
     Linear,
@@ -290,19 +291,36 @@ class MoE(nn.Module):
             self.shared_experts = GatedMLP(
                 cfg.hidden_size, inter, dtype, fp8_block, shards=parallel.tp_size
             )
+        # the one-call kernels' bound calls (cpu_kernels.BoundMoE), by whether the shared
+        # experts run inside the call; made on first use, after the weights are packed
+        self._bound: dict[bool, cpu_kernels.BoundMoE] = {}
 
-    def _one_call(self, x: torch.Tensor):
-        """The CPU kernels when this step's block runs as one call of them (see above)."""
+    def bound_call(self, rows: int) -> tuple[cpu_kernels.BoundMoE, bool] | None:
+        """The whole block as one call of the CPU kernels for `rows` float32 rows, its weights
+        bound once, and whether the shared experts run inside it (else the caller adds them);
+        None when the block does not run that way at that size (see above)."""
         matvec = self.experts.gate_up_proj.skinny(1)
         if (
             matvec is None
             or self.parallel.world_size > 1
-            or (x.shape[0] > matvec.max_rows and self.experts.amx is None)
-            or x.dtype != torch.float32
+            or (rows > matvec.max_rows and self.experts.amx is None)
             or self.gate.batch_invariant  # the gate's own kernel, row by row
         ):
             return None
-        return matvec
+        shared = self.shared_experts
+        in_call = shared is not None and all(
+            p.skinny(rows) is not None for p in (shared.gate_up_proj, shared.down_proj)
+        )
+        bound = self._bound.get(in_call)
+        if bound is None:  # the block's fixed arguments, converted once
+            bound = self._bound[in_call] = matvec.bind_moe(
+                self.gate,
+                (self.experts.gate_up_proj.kernel, self.experts.down_proj.kernel),
+                self.experts.amx,
+                (shared.gate_up_proj.kernel, shared.down_proj.kernel) if in_call else None,
+                matvec.expert_max_rows,
+            )
+        return bound, in_call or shared is None
 
     def idle(self) -> None:
         """Take part in the token exchange with no tokens (data-parallel attention: a rank
@@ -316,24 +334,12 @@ class MoE(nn.Module):
         """One all-reduce in a parallel run: of routed + shared when both are partial sums
         (tensor parallelism), of the routed part alone when the shared experts are whole on
         every rank (expert parallelism without tensor parallelism)."""
-        matvec = self._one_call(x)
-        if matvec is not None:  # a few tokens on one process: the whole block in one call
-            shared = self.shared_experts
-            rows = x.shape[0]
-            in_call = shared is not None and all(
-                p.skinny(rows) is not None for p in (shared.gate_up_proj, shared.down_proj)
-            )
-            out, weights, ids = matvec.moe(
-                x,
-                self.gate.logits(x),
-                self.gate,
-                (self.experts.gate_up_proj.kernel, self.experts.down_proj.kernel),
-                self.experts.amx,
-                (shared.gate_up_proj.kernel, shared.down_proj.kernel) if in_call else None,
-                matvec.expert_max_rows,
-            )
+        one_call = self.bound_call(x.shape[0]) if x.dtype == torch.float32 else None
+        if one_call is not None:  # a few tokens on one process: the whole block in one call
+            bound, whole = one_call
+            out, weights, ids = bound(x, self.gate.logits(x))
             if out is not None:
-                return out if shared is None or in_call else out + shared(x.to(self.dtype))
+                return out if whole else out + self.shared_experts(x.to(self.dtype))
         else:
             weights, ids = self.gate(x)
         x = x.to(self.dtype)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -55,3 +57,38 @@ class DecoderLayer(nn.Module):
             x = x + self.self_attn(self.input_layernorm(x), meta, rope_cos_sin, kv_cache, absorbed)
         ffn = self.mlp(self.post_attention_layernorm(x, self.ffn_input_dtype))
         return x + (self.parallel.all_reduce(ffn) if self.dense_partial else ffn)
+
+    def decode_on_kernels(self, rows: int) -> Callable[..., torch.Tensor] | None:
+        """`forward` for a decode step of `rows` rows that runs wholly on the CPU kernels, as
+        a function of (x, cos, sin, kv_cache, write_slots, kv_slots, lengths) with the
+        layer's kernel calls bound once: the same calls `forward` makes on that step (the
+        attention sublayer, the norm, the one-call MoE or gated MLP), so the same values,
+        without the per-call checks and module dispatch (~100 us a layer on a 2-core EPYC).
+        None where some part would not run on the kernels at that size. The caller checks
+        the step: float32 rows, a bf16 cache, an attention `decode_group`."""
+        attention = self.self_attn.bound_decode(rows, self.input_layernorm)
+        norm = self.post_attention_layernorm
+        if attention is None or norm.kernels is None or self.dense_partial:
+            return None
+        mlp, ffn_dtype = self.mlp, self.ffn_input_dtype
+        if isinstance(mlp, MoE):
+            one_call = mlp.bound_call(rows)
+            if one_call is None or not one_call[1]:  # the shared experts outside the call
+                return None
+            moe, gate = one_call[0], mlp.gate
+
+            def ffn(h: torch.Tensor) -> torch.Tensor:
+                out = moe(h, gate.logits(h))[0]
+                return out if out is not None else mlp(h)  # an expert over the kernels' rows
+
+        elif all(p.skinny(rows) is not None for p in (mlp.gate_up_proj, mlp.down_proj)):
+            ffn = mlp.forward  # GatedMLP's own kernel call
+        else:
+            return None
+        rms_norm, norm_weight, eps = norm.kernels.rms_norm, norm.weight, norm.eps
+
+        def step(x, cos, sin, kv_cache, write_slots, kv_slots, lengths) -> torch.Tensor:
+            h = attention(x, cos, sin, kv_cache, write_slots, kv_slots, lengths)
+            return h + ffn(rms_norm(h, norm_weight, eps, ffn_dtype))
+
+        return step
