@@ -175,6 +175,27 @@ static inline __m256 mci_dpbf16_256(__m256 acc, __m256i a, __m256i b) {
     return _mm256_fmadd_ps(mci_even8(a), mci_even8(b), acc);
 }
 
+/* m rows of x (k bf16 each, row stride ldx) widened once, per 32-element chunk as the dot
+ * product above pairs them: the low half's odd and even elements, then the high half's
+ * (4 x 8 float32, zeros past k), at out[(row * chunks + chunk) * 32]. The native AVX2 loops
+ * (cpu_matvec.c's matmul, cpu_mla.c's attention) read x this way. */
+static inline void mci_widen_rows(const uint16_t *x, long ldx, long m, long k, float *out) {
+    const long chunks = (k + 31) / 32;
+    for (long j = 0; j < m; j++)
+        for (long c = 0; c < chunks; c++) {
+            uint16_t part[32] = {0};
+            const long n = k - c * 32 < 32 ? k - c * 32 : 32;
+            __builtin_memcpy(part, x + j * ldx + c * 32, n * sizeof(uint16_t));
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)part);
+            const __m256i hi = _mm256_loadu_si256((const __m256i *)(part + 16));
+            float *o = out + (j * chunks + c) * 32;
+            _mm256_storeu_ps(o, mci_odd8(lo));
+            _mm256_storeu_ps(o + 8, mci_even8(lo));
+            _mm256_storeu_ps(o + 16, mci_odd8(hi));
+            _mm256_storeu_ps(o + 24, mci_even8(hi));
+        }
+}
+
 static inline __m512 mci_dpbf16_ps(__m512 acc, __m512bh a, __m512bh b) {
     const __m512i ai = (__m512i)a, bi = (__m512i)b;
     return mci_ps(mci_dpbf16_256(mci_lo(acc), mci_loi(ai), mci_loi(bi)),

@@ -100,25 +100,6 @@ void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink
 
 #else /* AVX2 (cpu_avx2.h): the same sums, lane for lane, with 256-bit registers */
 
-/* Rows of x widened once, per 32-element chunk as cpu_avx2.h's dot product pairs them: the
- * low half's odd and even elements, then the high half's (4 x 8 float32, zeros past k). */
-static void widen_rows(const uint16_t *x, long ldx, long m, long k, float *out) {
-    const long chunks = (k + 31) / 32;
-    for (long j = 0; j < m; j++)
-        for (long c = 0; c < chunks; c++) {
-            uint16_t part[32] = {0};
-            const long n = k - c * 32 < 32 ? k - c * 32 : 32;
-            __builtin_memcpy(part, x + j * ldx + c * 32, n * sizeof(uint16_t));
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)part);
-            const __m256i hi = _mm256_loadu_si256((const __m256i *)(part + 16));
-            float *o = out + (j * chunks + c) * 32;
-            _mm256_storeu_ps(o, mci_odd8(lo));
-            _mm256_storeu_ps(o + 8, mci_even8(lo));
-            _mm256_storeu_ps(o + 16, mci_odd8(hi));
-            _mm256_storeu_ps(o + 24, mci_even8(hi));
-        }
-}
-
 /* Accumulate one 32-element chunk of F weight rows (lo/hi: each row's two halves) against
  * T widened rows of x. */
 #define MCI_CHUNK(F, T, LOAD)                                                                  \
@@ -186,7 +167,7 @@ void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink
     float *xw = malloc(sizeof(float) * 32 * chunks * (m < TOKENS ? m : TOKENS));
     for (long r = 0; r < m; r += TOKENS) {
         const int t = (m - r) < TOKENS ? (int)(m - r) : TOKENS;
-        widen_rows(x + r * ldx, ldx, t, k, xw);
+        mci_widen_rows(x + r * ldx, ldx, t, k, xw);
         const Sink yr = sink_rows(y, r);
         switch (t) {
         case 1: block_rows_avx2(xw, chunks, w, k, &yr, 1, 4, n0, n1); break;

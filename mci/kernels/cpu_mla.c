@@ -98,21 +98,8 @@ static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const i
 static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const int64_t *slots,
                        long len, long c, float scale, uint16_t *out, int heads, float *scores) {
     const long chunks = (d + 31) / 32, full = d / 32;
-    /* the queries widened once, as cpu_matvec.c's widen_rows lays rows out */
-    float *qw = malloc(sizeof(float) * heads * chunks * 32);
-    for (int h = 0; h < heads; h++)
-        for (long ch = 0; ch < chunks; ch++) {
-            uint16_t part[32] = {0};
-            const long n = d - ch * 32 < 32 ? d - ch * 32 : 32;
-            __builtin_memcpy(part, q + h * d + ch * 32, n * sizeof(uint16_t));
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)part);
-            const __m256i hi = _mm256_loadu_si256((const __m256i *)(part + 16));
-            float *o = qw + (h * chunks + ch) * 32;
-            _mm256_storeu_ps(o, mci_odd8(lo));
-            _mm256_storeu_ps(o + 8, mci_even8(lo));
-            _mm256_storeu_ps(o + 16, mci_odd8(hi));
-            _mm256_storeu_ps(o + 24, mci_even8(hi));
-        }
+    float *qw = malloc(sizeof(float) * heads * chunks * 32); /* the queries, widened once */
+    mci_widen_rows(q, d, heads, d, qw);
     /* pass 1: scores [heads][len] */
     for (long l = 0; l < len; l++) {
         const uint16_t *row = cache + slots[l] * d;

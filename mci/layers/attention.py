@@ -91,10 +91,11 @@ def decode_group(
     """The step's one group when a step of `rows` rows is a decode the one-call kernels run
     (`MultiHeadLatentAttention.decode_in_one_call`): one group of rows 0..rows-1 in order,
     with context lengths, on the absorbed path; else None."""
+    if len(meta.groups) != 1:
+        return None
     group = meta.groups[0]
     if (
-        len(meta.groups) != 1
-        or group.lengths is None
+        group.lengths is None
         or not absorbed[0]
         or not isinstance(group.rows, slice)
         or group.rows != slice(0, rows)
