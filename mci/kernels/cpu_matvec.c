@@ -15,57 +15,33 @@
 #include "cpu_kernels.h"
 
 #define TOKENS 4 /* rows of x per pass over a weight block */
-#define FEATS 4  /* weight rows per block */
+#define FEATS 4  /* a thread's share of a weight's rows is whole blocks of FEATS rows */
 #ifndef PREFETCH
-#define PREFETCH 4 /* blocks of rows ahead (AVX-512), rows ahead (AVX2) */
+#define PREFETCH 4 /* rows ahead */
 #endif
 
 /* Rows [n0, n1) of one weight for T rows of x (T <= TOKENS, a compile-time constant in each
  * caller so the accumulators stay in registers). k_full: K rounded down to 32; the tail is
- * read with a mask. A last partial block of rows (n1 - n < FEATS) reads whole blocks of
- * FEATS rows only when they exist (`w_rows`), else row by row. */
+ * read with a mask.
+ *
+ * One weight row at a time, in address order: a block of rows read chunk by chunk
+ * (interleaved, 1 KB apart for k = 512) defeats the hardware prefetchers. Measured on a
+ * 2-core AMD EPYC (Zen 4), one row of x, weights cold from DRAM: 4 rows interleaved read
+ * 512x512 at 15 GB/s and 8192x512 at 17, one row at a time 26 and 28 (a plain read of the
+ * same bytes: 22-31); a batch-1 decode step of `small` went from 4.3 to 2.9 ms. The
+ * out-of-order core overlaps consecutive rows' independent sums, which the block of rows gave
+ * explicitly: from cache, it was as fast. */
 static inline __attribute__((always_inline)) void block_rows(
     const uint16_t *x, long ldx, const uint16_t *w, long k, const Sink *y, const int T, long n0,
     long n1) {
     const long k_full = k & ~31L;
     const __mmask32 tail = (__mmask32)((1ULL << (k - k_full)) - 1);
-    long n = n0;
-    for (; n + FEATS <= n1; n += FEATS) {
-        __m512 acc[FEATS][TOKENS];
-        for (int i = 0; i < FEATS; i++)
-            for (int j = 0; j < T; j++) acc[i][j] = _mm512_setzero_ps();
-        const uint16_t *wr = w + n * k;
-        for (long kk = 0; kk < k_full; kk += 32) {
-            __m512i xv[TOKENS];
-            for (int j = 0; j < T; j++) xv[j] = _mm512_loadu_si512(x + j * ldx + kk);
-            for (int i = 0; i < FEATS; i++) {
-                /* the next block's rows, PREFETCH blocks ahead: the hardware prefetcher alone
-                 * reached ~13 GB/s on these short streams */
-                _mm_prefetch((const char *)(wr + (PREFETCH * FEATS + i) * k + kk), _MM_HINT_T0);
-                const __m512i wv = _mm512_loadu_si512(wr + i * k + kk);
-                for (int j = 0; j < T; j++)
-                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)wv, (__m512bh)xv[j]);
-            }
-        }
-        if (tail) {
-            __m512i xv[TOKENS];
-            for (int j = 0; j < T; j++)
-                xv[j] = _mm512_maskz_loadu_epi16(tail, x + j * ldx + k_full);
-            for (int i = 0; i < FEATS; i++) {
-                const __m512i wv = _mm512_maskz_loadu_epi16(tail, wr + i * k + k_full);
-                for (int j = 0; j < T; j++)
-                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)wv, (__m512bh)xv[j]);
-            }
-        }
-        for (int i = 0; i < FEATS; i++)
-            for (int j = 0; j < T; j++)
-                store(y, j, n + i, _mm512_reduce_add_ps(acc[i][j]));
-    }
-    for (; n < n1; n++) { /* the last rows, one at a time */
+    for (long n = n0; n < n1; n++) {
         __m512 acc[TOKENS];
         for (int j = 0; j < T; j++) acc[j] = _mm512_setzero_ps();
         const uint16_t *wr = w + n * k;
         for (long kk = 0; kk < k_full; kk += 32) {
+            _mm_prefetch((const char *)(wr + PREFETCH * k + kk), _MM_HINT_T0);
             const __m512i wv = _mm512_loadu_si512(wr + kk);
             for (int j = 0; j < T; j++)
                 acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)wv,
@@ -120,13 +96,9 @@ void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink
  * 16-lane accumulator, so each output's sum is the AVX-512 kernel's. A row's last chunk (k
  * not a multiple of 32) is read through a zero-padded copy.
  *
- * One weight row at a time, not a block of rows interleaved chunk by chunk as the AVX-512
- * kernel reads them: weights are then read in address order, which this machine's prefetchers
- * stream at the rate of a plain read. Measured on a 2-core AMD EPYC (AVX2), one row of x,
- * weights cold from DRAM: 4 rows interleaved read 512x512 at 15 GB/s and 8192x512 at 17, one
- * row at a time 26 and 31 (a plain read of the same bytes: 22-31); a batch-1 decode step of
- * `small` went from 5.0 to 3.3 ms. The out-of-order core overlaps consecutive rows'
- * independent sums, which the block of rows gave explicitly. */
+ * One weight row at a time, in address order, as block_rows above (why: there). This build on
+ * the same Zen 4 EPYC: cold 512x512 15 -> 26 GB/s, 8192x512 17 -> 31; a batch-1 step of
+ * `small` 5.0 -> 3.3 ms. */
 static inline __attribute__((always_inline)) void row_avx2(const float *xw, long chunks,
                                                            const uint16_t *w, long k,
                                                            const Sink *y, const int T, long n) {
