@@ -42,6 +42,48 @@ def test_linear_is_the_exact_sum_rounded_once_and_rows_are_independent(k, n):
     assert torch.equal(matvec.linear(strided, w), matvec.linear(strided.contiguous(), w))
 
 
+def _lane_order_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """cpu_matvec.c's sum, step by step in float32: 16 lanes; lane l of each 32-column chunk
+    adds the product of columns 2l + 1, then of 2l (each product of two bf16 is exact in
+    float32, so each add is the kernel's one rounding), chunk after chunk; then the lanes
+    summed pairwise (l and l + 8, then 4 apart, 2, 1) and rounded once to bf16."""
+    m, k = x.shape
+    pad = (-k) % 32
+    xs = torch.nn.functional.pad(x.float(), (0, pad)).view(m, 1, -1, 16, 2)
+    ws = torch.nn.functional.pad(w.float(), (0, pad)).view(1, w.shape[0], -1, 16, 2)
+    acc = torch.zeros(m, w.shape[0], 16)
+    for c in range(xs.shape[2]):
+        acc = acc + xs[:, :, c, :, 1] * ws[:, :, c, :, 1]
+        acc = acc + xs[:, :, c, :, 0] * ws[:, :, c, :, 0]
+    for half in (8, 4, 2, 1):
+        acc = acc[..., :half] + acc[..., half : 2 * half]
+    return acc[..., 0].to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("k, n", [(512, 64), (100, 37), (33, 9)])
+def test_linear_sums_in_the_documented_order(k, n):
+    """Each output is the same float32 sum, term for term, whatever the weight rows are read
+    in or the ISA (the AVX-512 and AVX2 builds): so a change of loop order cannot change a bit
+    unnoticed."""
+    g = torch.Generator().manual_seed(7 * k + n)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        assert torch.equal(matvec.linear(x, w), _lane_order_sum(x, w))
+
+
+def test_linear_order_shows_where_float32_rounds():
+    """Random sums rarely tell orders apart once rounded to bf16, so one that does: lane 0
+    holds 2^20 after the first chunk; the second adds -2^20 (column 33, odd: first) and then
+    1 + 2^-7 (column 32), which survives. Even first, 2^20 + 1 + 2^-7 would round to
+    2^20 + 1 in float32 and leave 1.0."""
+    w = torch.zeros(2, 64)
+    w[:, 1], w[:, 33], w[:, 32] = 2.0**20, -(2.0**20), 1 + 2.0**-7
+    x = torch.ones(3, 64, dtype=torch.bfloat16)
+    out = matvec.linear(x, w.to(torch.bfloat16))
+    assert torch.equal(out, torch.full((3, 2), 1 + 2.0**-7, dtype=torch.bfloat16))
+
+
 def test_expert_linear_runs_each_segment_through_its_expert():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(6, 96, 160, generator=g).to(torch.bfloat16)
