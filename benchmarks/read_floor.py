@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import random
 import re
 import statistics
@@ -44,11 +45,14 @@ SMALL = 4096  # bytes: norm weights and the like, left out
 
 
 def build() -> ctypes.CDLL:
+    """read_floor.c compiled with the kernels' AVX2 flags (loaded, the file can go)."""
     source = Path(__file__).with_name("read_floor.c")
-    out = Path(tempfile.mkdtemp()) / "read_floor.so"
     flags = [f for f in FLAGS["avx2"] if f != "-Wno-psabi"]
-    subprocess.run(["cc", *flags, "-o", str(out), str(source)], check=True)
-    lib = ctypes.CDLL(str(out))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "read_floor.so"
+        compiler = os.environ.get("CC", "cc")
+        subprocess.run([compiler, *flags, "-o", str(out), str(source)], check=True)
+        lib = ctypes.CDLL(str(out))
     lib.read_step.restype = ctypes.c_int64
     lib.read_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     return lib
