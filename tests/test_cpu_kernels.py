@@ -111,11 +111,17 @@ def test_expert_combine_is_the_weighted_index_add_bit_for_bit():
     assert torch.equal(out, expected)
 
 
-def test_latent_decode_attention_reads_the_cache_through_slots():
+@pytest.mark.parametrize(
+    "heads,d,c",
+    [(8, 160, 128), (3, 33, 17), (12, 96, 80), (16, 576, 512)],  # `small`; odd tails; V3's
+)
+def test_latent_decode_attention_reads_the_cache_through_slots(heads, d, c):
     """Equal to softmax attention over the gathered rows (float64 reference), within bf16
-    rounding; padding slots past a sequence's length are never read; sequences independent."""
+    rounding; padding slots past a sequence's length are never read; sequences independent.
+    Shapes with partial blocks (heads not a multiple of 8, d of 32, c of 32; lengths not of
+    16) go through the kernel's repeated-key and repeated-head paths."""
     g = torch.Generator().manual_seed(1)
-    heads, d, c, scale = 8, 160, 128, 0.1
+    scale = 0.1
     cache = torch.randn(300, d, generator=g).to(torch.bfloat16)
     lengths = torch.tensor([37, 1, 200, 16])
     slots = torch.zeros(4, 200, dtype=torch.long)

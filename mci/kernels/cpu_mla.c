@@ -20,23 +20,43 @@
 #define MAX_LATENT 1024 /* c: DeepSeek-V3 has 512 */
 
 #ifdef __AVX512F__
+#define HEAD_BLOCK 8 /* heads whose values share one pass over the key rows (pass 2) */
+
+/* Each (key, head) score is the 16-lane dot product, chunk by chunk, reduced as
+ * _mm512_reduce_add_ps does; each output element's sum adds p[l] * row[l] in the order of l.
+ * Both passes keep their accumulators in registers: pass 1 reduces 16 keys' scores for one
+ * head at once (reduce16), pass 2 accumulates 8 heads x 32 latent columns over every key before
+ * storing them. */
 static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const int64_t *slots,
                        long len, long c, float scale, uint16_t *out, int heads, float *scores) {
     const long d_full = d & ~31L;
     const __mmask32 d_tail = (__mmask32)((1ULL << (d - d_full)) - 1);
-    /* pass 1: scores [heads][len] */
-    for (long l = 0; l < len; l++) {
-        const uint16_t *row = cache + slots[l] * d;
-        for (int h = 0; h < heads; h++) {
-            const uint16_t *qh = q + h * d;
-            __m512 acc = _mm512_setzero_ps();
-            for (long kk = 0; kk < d_full; kk += 32)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + kk),
-                                       (__m512bh)_mm512_loadu_si512(qh + kk));
-            if (d_tail)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(d_tail, row + d_full),
-                                       (__m512bh)_mm512_maskz_loadu_epi16(d_tail, qh + d_full));
-            scores[h * len + l] = _mm512_reduce_add_ps(acc) * scale;
+    /* pass 1: scores [heads][len], head by head (its query in registers), 16 keys at a time */
+    const __m512i lane_of = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int h = 0; h < heads; h++) {
+        const uint16_t *qh = q + h * d;
+        for (long l0 = 0; l0 < len; l0 += 16) {
+            const int keys = len - l0 < 16 ? (int)(len - l0) : 16;
+            /* keys past the end repeat the block's first (their sums are not stored) */
+            const uint16_t *rows[16];
+            for (int b = 0; b < 16; b++) rows[b] = cache + slots[l0 + (b < keys ? b : 0)] * d;
+            __m512 acc[16];
+            _Pragma("GCC unroll 16") for (int b = 0; b < 16; b++) acc[b] = _mm512_setzero_ps();
+            for (long kk = 0; kk < d_full; kk += 32) {
+                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qh + kk);
+                _Pragma("GCC unroll 16") for (int b = 0; b < 16; b++) acc[b] =
+                    _mm512_dpbf16_ps(acc[b], (__m512bh)_mm512_loadu_si512(rows[b] + kk), qv);
+            }
+            if (d_tail) {
+                const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(d_tail, qh + d_full);
+                _Pragma("GCC unroll 16") for (int b = 0; b < 16; b++) acc[b] = _mm512_dpbf16_ps(
+                    acc[b], (__m512bh)_mm512_maskz_loadu_epi16(d_tail, rows[b] + d_full), qv);
+            }
+            /* acc[b]'s sum is in lane 4 (b % 4) + b / 4 of reduce16's result */
+            const __m512 sums = _mm512_permutexvar_ps(lane_of, reduce16(acc));
+            _mm512_mask_storeu_ps(scores + h * len + l0, (__mmask16)((1u << keys) - 1),
+                                  _mm512_mul_ps(sums, vscale));
         }
     }
     /* softmax per head, in place; the sum kept for the end */
@@ -61,33 +81,39 @@ static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const i
         }
         total[h] = _mm512_reduce_add_ps(vsum);
     }
-    /* pass 2: out[h] = sum_l p[h][l] * row[:c], float32 accumulators in L1 */
-    float acc[MAX_HEADS_PER_ITEM][MAX_LATENT] __attribute__((aligned(64)));
-    for (int h = 0; h < heads; h++)
-        for (long j = 0; j < c; j++) acc[h][j] = 0.0f;
-    const long c_full = c & ~15L;
-    const __mmask16 c_tail = (__mmask16)((1u << (c - c_full)) - 1);
-    for (long l = 0; l < len; l++) {
-        const uint16_t *row = cache + slots[l] * d;
-        for (long j = 0; j < c_full; j += 16) {
-            const __m512 v = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + j))), 16));
-            for (int h = 0; h < heads; h++)
-                _mm512_store_ps(acc[h] + j, _mm512_fmadd_ps(_mm512_set1_ps(scores[h * len + l]), v,
-                                                             _mm512_load_ps(acc[h] + j)));
+    /* pass 2: out[h] = sum_l p[h][l] * row[:c] / total[h], rounded once to bf16 */
+    for (int h0 = 0; h0 < heads; h0 += HEAD_BLOCK) {
+        const int nh = heads - h0 < HEAD_BLOCK ? heads - h0 : HEAD_BLOCK;
+        for (long j = 0; j < c; j += 32) {
+            const __mmask16 m0 = c - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c - j)) - 1);
+            const __mmask16 m1 = c - j >= 32   ? (__mmask16)0xffff
+                                 : c - j > 16 ? (__mmask16)((1u << (c - j - 16)) - 1)
+                                              : 0;
+            /* heads past the block's end repeat its last (their sums are not stored) */
+            const float *p[HEAD_BLOCK];
+            for (int hh = 0; hh < HEAD_BLOCK; hh++) p[hh] = scores + (h0 + (hh < nh ? hh : nh - 1)) * len;
+            __m512 a0[HEAD_BLOCK], a1[HEAD_BLOCK];
+            _Pragma("GCC unroll 8") for (int hh = 0; hh < HEAD_BLOCK; hh++) a0[hh] = a1[hh] =
+                _mm512_setzero_ps();
+            for (long l = 0; l < len; l++) {
+                const uint16_t *row = cache + slots[l] * d + j;
+                const __m512 v0 = widen16(_mm256_maskz_loadu_epi16(m0, row));
+                const __m512 v1 = widen16(_mm256_maskz_loadu_epi16(m1, row + 16));
+                _Pragma("GCC unroll 8") for (int hh = 0; hh < HEAD_BLOCK; hh++) {
+                    const __m512 ph = _mm512_set1_ps(p[hh][l]);
+                    a0[hh] = _mm512_fmadd_ps(ph, v0, a0[hh]);
+                    a1[hh] = _mm512_fmadd_ps(ph, v1, a1[hh]);
+                }
+            }
+            for (int hh = 0; hh < nh; hh++) {
+                float vals[32] __attribute__((aligned(64)));
+                _mm512_store_ps(vals, a0[hh]);
+                _mm512_store_ps(vals + 16, a1[hh]);
+                const float inv = 1.0f / total[h0 + hh];
+                uint16_t *o = out + (h0 + hh) * c + j;
+                for (long i = 0; i < 32 && j + i < c; i++) o[i] = round_bf16(vals[i] * inv);
+            }
         }
-        if (c_tail) {
-            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(c_tail, row + c_full)), 16));
-            for (int h = 0; h < heads; h++)
-                _mm512_store_ps(acc[h] + c_full,
-                                _mm512_fmadd_ps(_mm512_set1_ps(scores[h * len + l]), v,
-                                                _mm512_load_ps(acc[h] + c_full)));
-        }
-    }
-    for (int h = 0; h < heads; h++) {
-        const float inv = 1.0f / total[h];
-        for (long j = 0; j < c; j++) out[h * c + j] = round_bf16(acc[h][j] * inv);
     }
 }
 
