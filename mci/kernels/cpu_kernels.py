@@ -1,4 +1,4 @@
-"""Skinny matmuls on the CPU (decode sizes: up to 16 rows) over bf16 weights or FP8 e4m3
+"""Skinny matmuls on the CPU (decode sizes: up to 64 rows) over bf16 weights or FP8 e4m3
 block-scaled weights read in place (cpu_fp8.c: the FP8 matmuls take any number of rows, bit
 for bit the bf16 kernel's result on the dequantised weight), decode attention over the
 latent cache read in place, and the small per-token steps around them (RMSNorm, rope, the
@@ -39,21 +39,27 @@ from mci.kernels.build import built_library, cpu_flags, cpu_isa, cpu_supports_fp
 
 log = logging.getLogger(__name__)
 
-# Most rows a call takes the kernels with, per build. AVX-512: a single matmul on a weight in
-# cache favours oneDNN from 4 rows, but in a real decode step (weights streamed from L3/DRAM)
-# the kernels win up to ~12 rows: measured on the `small` model's whole step, alternating in
-# one process, the median step at 4 / 8 / 12 requests took 21 / 20 / 31 ms with the kernels
-# against 27 / 23 / 35 ms with oneDNN above 3 rows; at 16 the two were at par. AVX2 (against
-# float32 matmuls on widened weights, layers/linear.py): the `small` model's 32-request step
-# took a median 47-60 ms with the kernels up to 32 rows against 61-67 ms up to 16 (two sweeps
-# on an AVX2 EPYC; 64 rows gained nothing more).
-MAX_ROWS = {"avx512": 16, "avx2": 32}
+# Most rows a call takes the kernels with, per build. AVX-512: since the kernels read a weight
+# one row at a time in address order, they beat oneDNN at every decode size measured up to 64
+# rows, with the steps' other calls (attention, the MoE, the norms) in one kernel call per
+# sublayer once every linear runs on them: the `small` model's whole decode step, three
+# engine cores alternating in one process on a 2-core Zen 4 EPYC (medians, 128-token
+# prompts), up to 16 / 32 / 64 rows: 24.7 / 16.5 / 16.6 ms at 24 requests, 34.3 / 33.2 /
+# 28.1 ms at 48, 53.0 / 51.3 / 46.3 ms at 64; at 96 and 128 requests, 128 rows against 64
+# gained 3-4%, within the noise. AVX2 (against float32 matmuls on widened weights,
+# layers/linear.py): the `small` model's 32-request step took a median 47-60 ms with the
+# kernels up to 32 rows against 61-67 ms up to 16 (two sweeps on an AVX2 EPYC; 64 rows
+# gained nothing more).
+MAX_ROWS = {"avx512": 64, "avx2": 32}
 # Routed experts gain up to more rows per expert: the kernels read only the active experts'
 # weights in two calls, where oneDNN loops or runs a batched matmul over every expert
 # (measured on the `small` model's MoE layer: 0.9 vs 1.5 ms at 16 tokens, up to 5 per expert;
 # 1.1 vs 1.5 ms at 24 tokens, up to 8; and the whole 32-request decode step, alternating in
 # one process: median 31.8 ms with up to 16 rows per expert here, 36.8 ms with up to 8).
 EXPERT_MAX_ROWS = {"avx512": 16, "avx2": 32}
+# Most rows an FP8 matmul sums in the skinny kernels' order (cpu_fp8.c's REGISTER_ROWS); more
+# go through its GEMM, in another order (see `KernelWeight.set_skinny_order`).
+FP8_SKINNY_ROWS = 16
 # Most bytes of prefill attention's probabilities P held at once: query rows go through
 # `CpuKernels.prefill_attention` in chunks of this size (a 2,048-token chunk of
 # DeepSeek-V3's 128 heads would otherwise hold 1 GiB).
@@ -127,7 +133,7 @@ class KernelWeight:
         self.address = ctypes.addressof(self.struct)
 
     def set_skinny_order(self, enabled: bool) -> None:
-        """FP8 calls of more than 16 rows sum in the skinny kernels' order (a row's result
+        """FP8 calls of more than FP8_SKINNY_ROWS sum in the skinny kernels' order (a row's result
         then never depends on the call's row count: batch invariance) instead of the GEMM's
         (faster; within float32 summation order of it). cpu_fp8.c."""
         self.struct.skinny_order = int(enabled)
