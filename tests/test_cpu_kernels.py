@@ -352,7 +352,8 @@ def test_one_call_moe_and_gated_mlp_take_the_eager_steps(checkpoint, size):
     """The MoE block in one kernel call (cpu_moe.c) routes every token to the experts the
     router picks, with its weights, and sums them as the general path does (float32 rounding
     apart); the gated MLP in one call is bit for bit the eager one. An expert over the row
-    limit returns the routing only."""
+    limit goes to the bf16 GEMM (AVX-512 build: within bf16 rounding of the skinny kernels'
+    result), or returns the routing only (AVX2)."""
     model, moe = _packed_moe(checkpoint, size)
     mlp = next(m for m in model.modules() if isinstance(m, GatedMLP))
     g = torch.Generator().manual_seed(4)
@@ -363,16 +364,23 @@ def test_one_call_moe_and_gated_mlp_take_the_eager_steps(checkpoint, size):
             fused = moe(x)
             weights, ids = moe.gate(x)
             experts = moe.experts.gate_up_proj.weight, moe.experts.down_proj.weight
-            _, k_weights, k_ids = matvec.moe(
+            skinny, k_weights, k_ids = matvec.moe(
                 x, moe.gate.logits(x), moe.gate, experts, None, None, 16
-            )
+            )  # routed experts only (no shared ones)
             assert torch.equal(k_ids.sort(-1).values, ids.sort(-1).values)
             order = (k_ids[:, :, None] == ids[:, None, :]).float().argmax(-1)
             assert torch.allclose(k_weights, weights.gather(1, order), rtol=1e-6, atol=0)
             out, _, _ = matvec.moe(x, moe.gate.logits(x), moe.gate, experts, None, None, 0)
-            assert out is None  # every expert is over a limit of 0 rows
             reference = _general_path(moe, x)
             assert (fused - reference).abs().max() <= 1e-6 * reference.abs().max()
+            if not matvec.gemm:
+                assert out is None  # every expert is over a limit of 0 rows: no GEMM here
+            else:  # every expert on the GEMM: its sums in another order, rounded to bf16
+                assert (out - skinny).abs().max() <= 2**-7 * skinny.abs().max()
+                logits = moe.gate.logits(x)  # the same router row for both calls
+                out, _, _ = matvec.moe(x, logits, moe.gate, experts, None, None, 0)
+                alone, _, _ = matvec.moe(x[-1:], logits[-1:], moe.gate, experts, None, None, 0)
+                assert torch.equal(alone[0], out[-1])  # whatever else shares the call
             xb = x.to(torch.bfloat16)
             gate, up = mlp.gate_up_proj(xb).chunk(2, dim=-1)
             eager = mlp.down_proj(torch.nn.functional.silu(gate) * up)

@@ -17,7 +17,9 @@ COMMON = ("cpu_matvec.c", "cpu_mla.c", "cpu_moe.c", "cpu_prefill_attention.c")
 # where cpu_avx2.h writes each 512-bit operation of the common kernels as two 256-bit halves
 # and the AVX-512-only entry points are stubs (cpu_avx512_only.c).
 SOURCES = {
-    "avx512": [Path(__file__).with_name(n) for n in (*COMMON, "cpu_fp8.c", "cpu_amx.c")],
+    "avx512": [
+        Path(__file__).with_name(n) for n in (*COMMON, "cpu_fp8.c", "cpu_gemm.c", "cpu_amx.c")
+    ],
     "avx2": [Path(__file__).with_name(n) for n in (*COMMON, "cpu_avx512_only.c")],
 }
 HEADERS = [Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_avx2.h")]

@@ -1,6 +1,7 @@
 /* The AVX-512-only kernels' entry points in the AVX2 library (build.py): FP8 (AVX512-VBMI's
- * byte lookups, cpu_fp8.c) and AMX (cpu_amx.c) do not run on such a CPU, and cpu_kernels.py
- * never calls them there (CpuKernels.fp8 and .amx are False). They exist so the shared
+ * byte lookups, cpu_fp8.c), the bf16 GEMM (cpu_gemm.c) and AMX (cpu_amx.c) do not run on such
+ * a CPU, and nothing calls them there (CpuKernels.fp8, .amx and .gemm are False; cpu_moe.c
+ * hands busy experts back to the caller). They exist so the shared
  * kernels link; reaching one is a bug, so it aborts rather than return wrong numbers. */
 #include <stdlib.h>
 
@@ -8,6 +9,12 @@
 
 void mci_fp8_rows_range(const uint16_t *x, long ldx, const Weight *w, long k, Sink y, long m,
                         long n0, long n1) {
+    (void)x, (void)ldx, (void)w, (void)k, (void)y, (void)m, (void)n0, (void)n1;
+    abort();
+}
+
+void mci_bf16_gemm(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
+                   long n0, long n1) {
     (void)x, (void)ldx, (void)w, (void)k, (void)y, (void)m, (void)n0, (void)n1;
     abort();
 }

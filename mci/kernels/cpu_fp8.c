@@ -15,12 +15,10 @@
  *
  * Rows of x: up to REGISTER_ROWS, each weight chunk is widened in registers and used at once,
  * TOKENS rows of x per pass (decode steps: the weight bytes are read once, half the bf16
- * kernel's traffic). More rows (prefill chunks, busy experts), a GEMM: a strip of STRIP
- * weight rows is widened once into a cache-resident bf16 tile, packed pair-interleaved, and
- * multiplied with MR rows of x at a time, each x pair broadcast against 16 outputs per
- * vdpbf16ps, so no output needs a horizontal sum. Each output's sum then runs over the
- * column pairs in order: another order than the skinny kernels' (within float32 summation
- * order of it, as oneDNN's is for bf16 above 16 rows). With `skinny_order` (the model's
+ * kernel's traffic). More rows (prefill chunks, busy experts), cpu_gemm.c's GEMM: a strip of
+ * weight rows is widened once into a cache-resident bf16 tile and multiplied there. Each
+ * output's sum then runs over the column pairs in order: another order than the skinny
+ * kernels' (within float32 summation order of it, as oneDNN's is for bf16). With `skinny_order` (the model's
  * batch invariance) every row count takes the skinny kernels' order instead, through a bf16
  * tile of TILE rows.
  */
@@ -56,19 +54,6 @@ static float MAGNITUDES[128];
 __attribute__((constructor)) static void init_magnitudes(void) {
     for (int i = 0; i < 128; i++) MAGNITUDES[i] = e4m3_magnitude(i);
 }
-
-/* 16 float32 -> their bf16 bits in the low half of each lane, exactly as round_bf16 rounds
- * (to nearest even on the bits, denormals too; NaN kept quiet) */
-static inline __m512i rne32(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-}
-
-static inline __m256i rne16(__m512 v) { return _mm512_cvtepi32_epi16(rne32(v)); }
 
 /* tables [nbk][TABLE] for one scale row (scale [nbk]): entry i of block b is
  * bf16(MAGNITUDES[i] * scale[b]), rounded as round_bf16 (torch's float -> bf16) rounds. */
@@ -239,112 +224,22 @@ static void fp8_rows_tokens(const uint16_t *x, long ldx, const uint8_t *w, long 
     }
 }
 
-#define STRIP 32 /* weight rows per GEMM strip: two vectors of 16 outputs */
-#define MR 8      /* rows of x per GEMM microkernel: 16 accumulators hide vdpbf16ps's latency */
-#define MC 128    /* rows of x per pass over the strips (they stay in L2 meanwhile) */
+/* The GEMM's source of bf16 weight rows: the FP8 rows widened into a tile (widen_rows). */
+typedef struct {
+    GemmRows base;
+    const uint8_t *w;
+    long k, nbk;
+    const float *scale;
+    const int64_t *row_block;
+    uint8_t *tables;
+    long *table_row;
+} Fp8Rows;
 
-/* tile rows [count][k] (bf16, row-major) -> packed [ceil(k/2)][STRIP] dwords: (rows[f][2p],
- * rows[f][2p + 1]) at [p][f]; zero past `count` rows and past k. */
-static void pack_pairs(const uint16_t *tile, long count, long k, uint32_t *packed) {
-    const long pairs = (k + 1) / 2;
-    if (!(k & 1) && count == STRIP) { /* whole rows of dwords: gathers, 16 rows at a time */
-        const __m512i stride = _mm512_mullo_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            _mm512_set1_epi32((int)(k / 2)));
-        const int *base = (const int *)tile;
-        for (long p = 0; p < pairs; p++) {
-            _mm512_storeu_si512(packed + p * STRIP, _mm512_i32gather_epi32(stride, base + p, 4));
-            _mm512_storeu_si512(packed + p * STRIP + 16,
-                                _mm512_i32gather_epi32(stride, base + 16 * (k / 2) + p, 4));
-        }
-        return;
-    }
-    for (long p = 0; p < pairs; p++)
-        for (long f = 0; f < STRIP; f++) {
-            uint32_t v = 0;
-            if (f < count) {
-                const uint16_t lo = tile[f * k + 2 * p];
-                const uint16_t hi = 2 * p + 1 < k ? tile[f * k + 2 * p + 1] : 0;
-                v = lo | (uint32_t)hi << 16;
-            }
-            packed[p * STRIP + f] = v;
-        }
-}
-
-/* Outputs [0, count) of a packed strip for T rows of x into the sink (its columns from the
- * strip's first weight row). */
-static inline __attribute__((always_inline)) void gemm_rows(
-    const uint16_t *x, long ldx, long k, const uint32_t *packed, long count, const Sink *y,
-    const int T) {
-    __m512 acc[MR][2];
-    for (int j = 0; j < T; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
-    const long whole = k / 2; /* column pairs inside k; an odd k has one more, half zero */
-    for (long p = 0; p < whole; p++) {
-        const __m512i w0 = _mm512_loadu_si512(packed + p * STRIP);
-        const __m512i w1 = _mm512_loadu_si512(packed + p * STRIP + 16);
-        for (int j = 0; j < T; j++) {
-            int pair;
-            __builtin_memcpy(&pair, x + j * ldx + 2 * p, 4);
-            const __m512i xb = _mm512_set1_epi32(pair);
-            acc[j][0] = _mm512_dpbf16_ps(acc[j][0], (__m512bh)xb, (__m512bh)w0);
-            acc[j][1] = _mm512_dpbf16_ps(acc[j][1], (__m512bh)xb, (__m512bh)w1);
-        }
-    }
-    if (k & 1) {
-        const __m512i w0 = _mm512_loadu_si512(packed + whole * STRIP);
-        const __m512i w1 = _mm512_loadu_si512(packed + whole * STRIP + 16);
-        for (int j = 0; j < T; j++) {
-            const __m512i xb = _mm512_set1_epi32(x[j * ldx + k - 1]);
-            acc[j][0] = _mm512_dpbf16_ps(acc[j][0], (__m512bh)xb, (__m512bh)w0);
-            acc[j][1] = _mm512_dpbf16_ps(acc[j][1], (__m512bh)xb, (__m512bh)w1);
-        }
-    }
-    for (int j = 0; j < T; j++) {
-        if (!y->acc && count == STRIP) { /* bf16 rows: 16 at a time, round_bf16's bits */
-            _mm256_storeu_si256((__m256i *)(y->y + j * y->ldy), rne16(acc[j][0]));
-            _mm256_storeu_si256((__m256i *)(y->y + j * y->ldy + 16), rne16(acc[j][1]));
-            continue;
-        }
-        float sums[STRIP];
-        _mm512_storeu_ps(sums, acc[j][0]);
-        _mm512_storeu_ps(sums + 16, acc[j][1]);
-        for (long f = 0; f < count; f++) store(y, j, f, sums[f]);
-    }
-}
-
-static void fp8_gemm(const uint16_t *x, long ldx, const uint8_t *w, long k, const float *scale,
-                     long nbk, const int64_t *row_block, Sink y, long m, long n0, long n1,
-                     uint8_t *tables, long *table_row) {
-    uint16_t *tile = malloc(sizeof(uint16_t) * STRIP * k);
-    uint32_t *packed = malloc(sizeof(uint32_t) * STRIP * ((k + 1) / 2));
-    for (long c0 = 0; c0 < m; c0 += MC) {
-        const long c1 = c0 + MC < m ? c0 + MC : m;
-        for (long s0 = n0; s0 < n1; s0 += STRIP) {
-            const long s1 = s0 + STRIP < n1 ? s0 + STRIP : n1;
-            widen_rows(w, k, scale, nbk, row_block, s0, s1, tables, table_row, tile);
-            pack_pairs(tile, s1 - s0, k, packed);
-            Sink ys = sink_rows(y, c0);
-            if (ys.acc) ys.acc += s0;
-            else ys.y += s0;
-            for (long r = c0; r < c1; r += MR) {
-                const Sink yr = sink_rows(ys, r - c0);
-                const uint16_t *xr = x + r * ldx;
-                const long count = s1 - s0;
-                switch (c1 - r < MR ? (int)(c1 - r) : MR) {
-                case 1: gemm_rows(xr, ldx, k, packed, count, &yr, 1); break;
-                case 2: gemm_rows(xr, ldx, k, packed, count, &yr, 2); break;
-                case 3: gemm_rows(xr, ldx, k, packed, count, &yr, 3); break;
-                case 4: gemm_rows(xr, ldx, k, packed, count, &yr, 4); break;
-                case 5: gemm_rows(xr, ldx, k, packed, count, &yr, 5); break;
-                case 6: gemm_rows(xr, ldx, k, packed, count, &yr, 6); break;
-                case 7: gemm_rows(xr, ldx, k, packed, count, &yr, 7); break;
-                default: gemm_rows(xr, ldx, k, packed, count, &yr, 8); break;
-                }
-            }
-        }
-    }
-    free(packed);
-    free(tile);
+static const uint16_t *fp8_strip(const GemmRows *self, long s0, long s1, uint16_t *tile) {
+    const Fp8Rows *f = (const Fp8Rows *)self;
+    widen_rows(f->w, f->k, f->scale, f->nbk, f->row_block, s0, s1, f->tables, f->table_row,
+               tile);
+    return tile;
 }
 
 void mci_fp8_rows_range(const uint16_t *x, long ldx, const Weight *wt, long k, Sink y, long m,
@@ -362,7 +257,8 @@ void mci_fp8_rows_range(const uint16_t *x, long ldx, const Weight *wt, long k, S
                             n0, n1, tables, &table_row);
         }
     } else if (!wt->skinny_order) {
-        fp8_gemm(x, ldx, w, k, wt->scale, nbk, wt->row_block, y, m, n0, n1, tables, &table_row);
+        const Fp8Rows rows = {{fp8_strip}, w, k, nbk, wt->scale, wt->row_block, tables, &table_row};
+        mci_gemm(x, ldx, k, y, m, n0, n1, &rows.base);
     } else {
         uint16_t *tile = malloc(sizeof(uint16_t) * TILE * k);
         for (long t0 = n0; t0 < n1; t0 += TILE) {

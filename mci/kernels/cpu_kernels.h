@@ -4,6 +4,7 @@
 #define MCI_CPU_KERNELS_H
 
 #include <immintrin.h>
+#include <limits.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -70,6 +71,19 @@ static inline __m512 widen16(__m256i b) {
 }
 
 #ifdef __AVX512F__
+/* 16 float32 -> their bf16 bits in the low half of each lane, exactly as round_bf16 rounds
+ * (to nearest even on the bits, denormals too; NaN kept quiet) */
+static inline __m512i rne32(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+static inline __m256i rne16(__m512 v) { return _mm512_cvtepi32_epi16(rne32(v)); }
+
 /* Sixteen sums at once: lane 4q + p of the result is _mm512_reduce_add_ps(v[4p + q]) bit for
  * bit. That reduction adds lane i to lane i + 8, then i + 4, i + 2, i + 1 (GCC's
  * avx512fintrin.h; float addition is commutative, so a pair's order does not matter); here the
@@ -143,10 +157,12 @@ void mci_fp8_rows_range(const uint16_t *x, long ldx, const Weight *w, long k, Si
                         long n0, long n1);
 
 /* Stacked experts into a sink: for each segment s, rows [starts[s], starts[s] + counts[s]) of
- * x go through expert ids[s] (`expert_weight`, an [n, k] weight). cpu_matvec.c. */
+ * x go through expert ids[s] (`expert_weight`, an [n, k] weight): on the skinny kernels, or
+ * bf16 experts with more than gemm_above rows on mci_bf16_gemm (LONG_MAX: never; AVX-512
+ * only). cpu_matvec.c. */
 void mci_experts_into(const uint16_t *x, long ldx, const Weight *w, Sink y,
                       const int64_t *ids, const int64_t *starts, const int64_t *counts,
-                      long segments, long n, long k);
+                      long segments, long n, long k, long gemm_above);
 
 /* One weight's rows [n0, n1) (of w [n, k]) for all m rows of x into a sink. cpu_matvec.c. */
 void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
@@ -163,6 +179,21 @@ void mci_rms_norm(const void *x, long ldx, int x_bf16, const uint16_t *w, void *
  * or FP8. cpu_matvec.c. */
 void mci_linear(const uint16_t *x, long ldx, const Weight *w, uint16_t *y, long ldy, long m,
                 long n, long k);
+
+/* Where mci_gemm reads a strip of weight rows [s0, s1) as bf16 rows [s1 - s0, k]: a pointer
+ * into the weight itself, or `tile` (room for STRIP rows) filled with them. */
+typedef struct GemmRows {
+    const uint16_t *(*strip)(const struct GemmRows *self, long s0, long s1, uint16_t *tile);
+} GemmRows;
+
+/* Rows [n0, n1) of a weight for all m rows of x into a sink, as a GEMM (many rows; sums in
+ * column-pair order). cpu_gemm.c, AVX-512 only. */
+void mci_gemm(const uint16_t *x, long ldx, long k, Sink y, long m, long n0, long n1,
+              const GemmRows *rows);
+
+/* The same over a bf16 weight w [n, k]. cpu_gemm.c (the AVX2 library's stub aborts). */
+void mci_bf16_gemm(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
+                   long n0, long n1);
 
 /* Routed experts on AMX tiles (cpu_amx.c): as mci_experts_into, with the weights packed by
  * mci_amx_pack; n and k multiples of 32. */

@@ -187,6 +187,8 @@ class CpuKernels:
         self.expert_max_rows = EXPERT_MAX_ROWS[isa]  # most rows of a routed expert
         self.amx = amx  # the AMX expert kernels run here (cpu_amx.c)
         self.fp8 = fp8  # the FP8 matmuls run here (cpu_fp8.c: AVX512-VBMI)
+        # the bf16 GEMM runs here (cpu_gemm.c): the one-call MoE takes busy experts anyway
+        self.gemm = isa == "avx512"
         ptr, long = ctypes.c_void_p, ctypes.c_long
         self._amx_pack = lib.mci_amx_pack
         self._amx_pack.argtypes = [ptr, long, long, long, ptr]

@@ -178,15 +178,19 @@ void mci_linear(const uint16_t *x, long ldx, const Weight *w, uint16_t *y, long 
 
 void mci_experts_into(const uint16_t *x, long ldx, const Weight *w, Sink y,
                       const int64_t *ids, const int64_t *starts, const int64_t *counts,
-                      long segments, long n, long k) {
+                      long segments, long n, long k, long gemm_above) {
 #pragma omp parallel
     {
         long n0, n1;
         mci_share(n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
         for (long s = 0; s < segments; s++) {
             const Weight we = expert_weight(w, ids[s], n, k);
-            mci_weight_rows(x + starts[s] * ldx, ldx, &we, k, sink_rows(y, starts[s]),
-                            counts[s], n0, n1);
+            const uint16_t *xs = x + starts[s] * ldx;
+            const Sink ys = sink_rows(y, starts[s]);
+            if (counts[s] > gemm_above && !we.scale)
+                mci_bf16_gemm(xs, ldx, (const uint16_t *)we.data, k, ys, counts[s], n0, n1);
+            else
+                mci_weight_rows(xs, ldx, &we, k, ys, counts[s], n0, n1);
         }
     }
 }
@@ -197,7 +201,7 @@ void mci_expert_linear(const uint16_t *x, long ldx, const Weight *w, uint16_t *y
                        long ldy, const int64_t *ids, const int64_t *starts,
                        const int64_t *counts, long segments, long n, long k) {
     const Sink sink = {y, ldy, 0, 0, 0};
-    mci_experts_into(x, ldx, w, sink, ids, starts, counts, segments, n, k);
+    mci_experts_into(x, ldx, w, sink, ids, starts, counts, segments, n, k, LONG_MAX);
 }
 
 /* The same, each output row then weighted and added into float32 rows: acc [*, n] (zeroed by
@@ -208,7 +212,7 @@ void mci_expert_linear_combine(const uint16_t *x, long ldx, const Weight *w, flo
                                const int64_t *ids, const int64_t *starts,
                                const int64_t *counts, long segments, long n, long k) {
     const Sink sink = {0, n, acc, tokens, weights};
-    mci_experts_into(x, ldx, w, sink, ids, starts, counts, segments, n, k);
+    mci_experts_into(x, ldx, w, sink, ids, starts, counts, segments, n, k, LONG_MAX);
 }
 
 /* ---- RMSNorm ------------------------------------------------------------------------------

@@ -112,10 +112,12 @@ static void route(const float *logits, const float *bias, long e, long n_group, 
  * [e, 2 * inter, hidden], w_down [e, hidden, inter] (stacked, bf16 or FP8), and the same packed for
  * AMX (amx_gate_up, amx_down: cpu_amx.c) or NULL; the shared experts' w_s_gate_up
  * [2 * s_inter, hidden] and w_s_down [hidden, s_inter], or NULL. Experts with at most
- * max_rows tokens each run on the skinny kernels, else on AMX. Always writes each token's
- * routing, weights [t, top_k] and ids [t, top_k]. Returns 1, and stops there, when an expert
- * has more than max_rows tokens and there are no AMX weights (the caller's grouped matmuls
- * suit that step better); else writes out float32 [t, hidden] and returns 0. */
+ * max_rows tokens each run on the skinny kernels; busier ones on AMX where the weights are
+ * packed for it, else on cpu_gemm.c's GEMM (bf16; FP8 weights take cpu_fp8.c's GEMM above
+ * its own bound). Always writes each token's routing, weights [t, top_k] and ids [t, top_k].
+ * Returns 1, and stops there, when an expert has more than max_rows tokens in the AVX2 build
+ * (no GEMM: the caller's grouped matmuls suit that step better); else writes out float32
+ * [t, hidden] and returns 0. */
 int mci_moe(const float *x, const float *logits, const float *bias, long t, long e,
             long n_group, long topk_group, long top_k, int norm, float scaling, float *weights,
             int64_t *ids, const Weight *w_gate_up, const Weight *w_down,
@@ -136,8 +138,10 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
     int64_t seg_ids[e], seg_starts[e], seg_counts[e];
     long segments = 0, start = 0, busiest = 0;
     for (long i = 0; i < e; i++) busiest = counts[i] > busiest ? counts[i] : busiest;
-    const int amx = busiest > max_rows;
-    if (amx && !amx_gate_up) return 1;
+    const int amx = busiest > max_rows && amx_gate_up;
+#ifndef __AVX512F__
+    if (busiest > max_rows) return 1; /* no GEMM in the AVX2 build */
+#endif
     for (long i = 0; i < e; i++) {
         first[i] = start;
         if (counts[i]) {
@@ -170,10 +174,10 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
                              segments, hidden, inter);
     } else {
         mci_experts_into(xs, hidden, w_gate_up, rows, seg_ids, seg_starts, seg_counts,
-                         segments, 2 * inter, hidden);
+                         segments, 2 * inter, hidden, max_rows);
         silu_mul(gu, a_count, inter, act);
         mci_experts_into(act, inter, w_down, combine, seg_ids, seg_starts, seg_counts,
-                         segments, hidden, inter);
+                         segments, hidden, inter, max_rows);
     }
     if (w_s_gate_up) { /* out + shared: float32 + bf16, as MoE.forward adds them */
         uint16_t *shared = malloc(sizeof(uint16_t) * t * hidden);

@@ -262,9 +262,10 @@ class MoE(nn.Module):
 
     On one process with the CPU kernels, the whole block after the router's matmul is one call
     (mci/kernels/cpu_moe.c: the same operations as below, about 45 small torch ops fewer per
-    layer): its experts on the skinny kernels when none gets more than
-    the kernels' `expert_max_rows` tokens, else on AMX tiles (prefill chunks; the shared experts
-    then run below as usual). Without AMX such a step falls back to the paths below, fed the
+    layer): its experts on the skinny kernels when they get at most the kernels'
+    `expert_max_rows` tokens, busier ones (prefill chunks) on AMX tiles where the CPU has AMX,
+    else on the AVX-512 build's bf16 GEMM (cpu_gemm.c); the shared experts then run below as
+    usual. The AVX2 build has neither: such a step falls back to the paths below, fed the
     routing the call computed.
 
     Takes its input in float32 (the decoder layer's norm skips rounding it): routing is a
@@ -303,7 +304,7 @@ class MoE(nn.Module):
         if (
             matvec is None
             or self.parallel.world_size > 1
-            or (rows > matvec.max_rows and self.experts.amx is None)
+            or (rows > matvec.max_rows and self.experts.amx is None and not matvec.gemm)
             or self.gate.batch_invariant  # the gate's own kernel, row by row
         ):
             return None
