@@ -76,7 +76,7 @@ def test_fp8_linear_is_the_bf16_kernel_on_the_dequantised_weight(parts, k, rows)
     out = layer(x)  # Linear.forward: the FP8 kernels at every row count
     _within_summation_order(out, x, dense)
     skinny = KERNELS.linear(x, dense)
-    if rows <= cpu_kernels.FP8_SKINNY_ROWS:
+    if rows <= KERNELS.fp8_skinny_rows:
         assert torch.equal(out, skinny)
         assert torch.equal(layer(x[-1:]), out[-1:])  # whatever else shares the call
     else:  # the GEMM: a row's result does not depend on the other rows either
@@ -118,6 +118,36 @@ def test_fp8_experts_and_their_weighted_sum_equal_the_bf16_kernels(rows_per_expe
     assert torch.equal(outs[0], outs[1])
     # one expert through Linear.forward, as the looped experts path calls it
     assert torch.equal(down(act, 5), KERNELS.linear(act, dense_down[5].contiguous()))
+
+
+@needs_fp8_kernels
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemm_weighted_sum_is_the_index_add_bit_for_bit(fp8):
+    """Busy experts on the GEMM (cpu_gemm.c: bf16 weights read in place, FP8 ones widened by
+    cpu_fp8.c): each output row is within float32 summation order of the exact product, and
+    the weighted sum the GEMM does as it writes (16 outputs at a time where a strip is whole,
+    one at a time in a short one) equals torch's index_add over its bf16 rows exactly."""
+    experts, hidden, inter = 6, 200, 160  # 100 outputs a thread: whole strips and a short one
+    down = _fp8_linear((hidden,), inter, experts=experts, seed=2)
+    dense = torch.stack([down.dense_weight(torch.bfloat16, e) for e in range(experts)])
+    weight = down.kernel if fp8 else dense.contiguous()
+    gemm_above = None if fp8 else 16  # FP8: past its own skinny bound (16 rows)
+    counts = [40, 33, 17]
+    segments = torch.tensor([[0, 2, 5], [0, 40, 73], counts], dtype=torch.long)
+    gen = torch.Generator().manual_seed(9)
+    act = torch.randn(sum(counts), inter, generator=gen).bfloat16()
+    tokens = torch.randint(0, 7, (sum(counts),), generator=gen)
+    weights = torch.rand(sum(counts), generator=gen) * 2.5
+    y = KERNELS.expert_linear(act, weight, segments, gemm_above)
+    for e, s, c in zip(*segments.tolist(), strict=True):
+        _within_summation_order(y[s : s + c], act[s : s + c], dense[e])
+    expected = torch.zeros(7, hidden).index_add_(0, tokens, y.float() * weights[:, None])
+    out = KERNELS.expert_linear_combine(
+        act, weight, segments, tokens, weights, torch.zeros(7, hidden), gemm_above
+    )
+    assert torch.equal(out, expected)
+    skinny = KERNELS.expert_linear(act, dense.contiguous(), segments)  # another order
+    assert not torch.equal(y, skinny)  # the GEMM ran: 3 of its 18,000 outputs differ here
 
 
 def test_fp8_kernel_weight_checks_its_layout():

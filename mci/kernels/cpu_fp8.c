@@ -10,8 +10,8 @@
  * each byte of the bf16 value), the sign bit put back, and the bytes interleaved into words.
  * The words then go through the same vdpbf16ps sums, in the same order, as cpu_matvec.c's
  * bf16 kernel on the dequantised weight: an FP8 matmul's result is bit for bit that kernel's
- * on `dense_weight`, whatever the number of rows, and within float32 summation order of
- * torch's F.linear on it.
+ * on `dense_weight` up to REGISTER_ROWS rows (at any count with `skinny_order`), and within
+ * float32 summation order of torch's F.linear on it.
  *
  * Rows of x: up to REGISTER_ROWS, each weight chunk is widened in registers and used at once,
  * TOKENS rows of x per pass (decode steps: the weight bytes are read once, half the bf16
@@ -241,6 +241,9 @@ static const uint16_t *fp8_strip(const GemmRows *self, long s0, long s1, uint16_
                tile);
     return tile;
 }
+
+/* The most rows an FP8 matmul sums in the skinny kernels' order (cpu_kernels.py reads it). */
+int mci_fp8_skinny_rows(void) { return REGISTER_ROWS; }
 
 void mci_fp8_rows_range(const uint16_t *x, long ldx, const Weight *wt, long k, Sink y, long m,
                         long n0, long n1) {

@@ -132,8 +132,11 @@ static inline __attribute__((always_inline)) void gemm_rows(
 void mci_gemm(const uint16_t *x, long ldx, long k, Sink y, long m, long n0, long n1,
               const GemmRows *rows) {
     const long per_strip = STRIP * ((k + 1) / 2); /* dwords of one packed strip */
+    const long strips = (n1 - n0 + STRIP - 1) / STRIP;
+    if (strips <= 0 || m <= 0) return;
     long group = PACKED_BYTES / (long)(sizeof(uint32_t) * per_strip);
     if (group < 1) group = 1;
+    if (group > strips) group = strips;
     uint16_t *tile = malloc(sizeof(uint16_t) * STRIP * k);
     uint32_t *packed = malloc(sizeof(uint32_t) * per_strip * group);
     for (long g0 = n0; g0 < n1; g0 += group * STRIP) {

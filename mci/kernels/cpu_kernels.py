@@ -57,9 +57,6 @@ MAX_ROWS = {"avx512": 64, "avx2": 32}
 # 1.1 vs 1.5 ms at 24 tokens, up to 8; and the whole 32-request decode step, alternating in
 # one process: median 31.8 ms with up to 16 rows per expert here, 36.8 ms with up to 8).
 EXPERT_MAX_ROWS = {"avx512": 16, "avx2": 32}
-# Most rows an FP8 matmul sums in the skinny kernels' order (cpu_fp8.c's REGISTER_ROWS); more
-# go through its GEMM, in another order (see `KernelWeight.set_skinny_order`).
-FP8_SKINNY_ROWS = 16
 # Most bytes of prefill attention's probabilities P held at once: query rows go through
 # `CpuKernels.prefill_attention` in chunks of this size (a 2,048-token chunk of
 # DeepSeek-V3's 128 heads would otherwise hold 1 GiB).
@@ -133,7 +130,8 @@ class KernelWeight:
         self.address = ctypes.addressof(self.struct)
 
     def set_skinny_order(self, enabled: bool) -> None:
-        """FP8 calls of more than FP8_SKINNY_ROWS sum in the skinny kernels' order (a row's result
+        """FP8 calls of more rows than cpu_fp8.c's REGISTER_ROWS (`CpuKernels.fp8_skinny_rows`)
+        sum in the skinny kernels' order (a row's result
         then never depends on the call's row count: batch invariance) instead of the GEMM's
         (faster; within float32 summation order of it). cpu_fp8.c."""
         self.struct.skinny_order = int(enabled)
@@ -187,8 +185,9 @@ class CpuKernels:
         self.expert_max_rows = EXPERT_MAX_ROWS[isa]  # most rows of a routed expert
         self.amx = amx  # the AMX expert kernels run here (cpu_amx.c)
         self.fp8 = fp8  # the FP8 matmuls run here (cpu_fp8.c: AVX512-VBMI)
-        # the bf16 GEMM runs here (cpu_gemm.c): the one-call MoE takes busy experts anyway
+        # the GEMM runs here (cpu_gemm.c): the one-call MoE takes experts of any row count
         self.gemm = isa == "avx512"
+        self.fp8_skinny_rows = lib.mci_fp8_skinny_rows()  # FP8: the skinny order up to here
         ptr, long = ctypes.c_void_p, ctypes.c_long
         self._amx_pack = lib.mci_amx_pack
         self._amx_pack.argtypes = [ptr, long, long, long, ptr]
@@ -197,10 +196,11 @@ class CpuKernels:
         self._linear.argtypes = [ptr, long, ptr, ptr, long, long, long, long]
         self._linear.restype = None
         self._experts = lib.mci_expert_linear
-        self._experts.argtypes = [ptr, long, ptr, ptr, long, ptr, ptr, ptr, long, long, long]
+        self._experts.argtypes = [ptr, long, ptr, ptr, long, ptr, ptr, ptr, long, long, long, long]
         self._experts.restype = None
         self._combine = lib.mci_expert_linear_combine
-        self._combine.argtypes = [ptr, long, ptr, ptr, ptr, ptr, ptr, ptr, ptr, long, long, long]
+        self._combine.argtypes = [ptr, long, ptr, ptr, ptr, ptr, ptr, ptr, ptr, long, long, long,
+                                  long]  # fmt: skip
         self._combine.restype = None
         self._attention = lib.mci_bf16_latent_decode_attention
         self._attention.argtypes = [ptr, ptr, ptr, long, ptr, long, long, long, long,
@@ -318,11 +318,16 @@ class CpuKernels:
         return y
 
     def expert_linear(
-        self, x: torch.Tensor, weight: torch.Tensor | KernelWeight, segments: torch.Tensor
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | KernelWeight,
+        segments: torch.Tensor,
+        gemm_above: int | None = None,
     ) -> torch.Tensor:
         """x [A, k] (rows grouped by expert), stacked weight [E, n, k], segments int64 [3, S]
         (expert id, first row, row count of each group) -> [A, n], bf16: each group of rows
-        through its expert."""
+        through its expert; bf16 groups of more than `gemm_above` rows on the GEMM
+        (cpu_gemm.c, where `gemm`; None: never), as the one-call MoE runs busy experts."""
         weight = self._check(kernel_weight(weight))
         a, k = x.shape
         n = weight.n
@@ -342,8 +347,16 @@ class CpuKernels:
             segments.shape[1],
             n,
             k,
+            self._gemm_above(gemm_above),
         )
         return y
+
+    def _gemm_above(self, gemm_above: int | None) -> int:
+        if gemm_above is None:
+            return 2**62  # never
+        if not self.gemm:
+            raise ValueError("the bf16 GEMM is not in this build of the kernels")
+        return gemm_above
 
     def expert_linear_combine(
         self,
@@ -353,6 +366,7 @@ class CpuKernels:
         tokens: torch.Tensor,
         weights: torch.Tensor,
         out: torch.Tensor,
+        gemm_above: int | None = None,
     ) -> torch.Tensor:
         """`expert_linear`, each output row a then rounded to bf16, weighted and added into
         float32 `out` [*, n]: out[tokens[a]] += weights[a] * row a (tokens int64, weights
@@ -379,6 +393,7 @@ class CpuKernels:
             segments.shape[1],
             n,
             k,
+            self._gemm_above(gemm_above),
         )
         return out
 
@@ -559,9 +574,10 @@ class CpuKernels:
         """mci/layers/moe.py's MoE after the router's matmul: x float32 [T, hidden], logits
         float32 [T, E]; the stacked experts' (gate_up [E, 2I, hidden], down [E, hidden, I]),
         the same `amx_pack`ed or None; the shared experts' (gate_up, down) or None. Experts
-        with up to `max_rows` tokens run on the skinny kernels, busier ones on AMX.
+        with up to `max_rows` tokens run on the skinny kernels, busier ones on AMX where
+        packed for it, else on the GEMM (bf16: cpu_gemm.c; FP8: cpu_fp8.c's).
         -> (out float32 [T, hidden], or None when an expert has more than `max_rows` tokens
-        and there are no AMX weights; routing weights float32 [T, K]; expert ids int64
+        in the AVX2 build (no GEMM there); routing weights float32 [T, K]; expert ids int64
         [T, K])."""
         return self.bind_moe(router, experts, amx, shared, max_rows)(x, logits)
 

@@ -1,6 +1,6 @@
 /* Skinny bf16 matmuls for the CPU: y[t, n] = sum_k x[t, k] * w[n, k] for a few rows t.
  *
- * Why: at decode sizes (1-16 rows) oneDNN's and MKL's bf16 matmuls run far below this
+ * Why: at decode sizes (1-64 rows) oneDNN's and MKL's bf16 matmuls run far below this
  * machine's memory bandwidth (a 512x512 weight read from cache: ~66 us, about 8 GB/s), and
  * a decode step is ~100 such calls. Here each weight row is streamed once per block of
  * TOKENS rows of x and multiplied with AVX512-BF16 dot products (vdpbf16ps), accumulating in
@@ -196,12 +196,13 @@ void mci_experts_into(const uint16_t *x, long ldx, const Weight *w, Sink y,
 }
 
 /* Stacked experts: for each segment s, rows [starts[s], starts[s] + counts[s]) of x and y go
- * through expert ids[s] (`expert_weight`: that expert's [n, k] weight). */
+ * through expert ids[s] (`expert_weight`: that expert's [n, k] weight); bf16 segments of more
+ * than gemm_above rows on the GEMM (mci_experts_into). */
 void mci_expert_linear(const uint16_t *x, long ldx, const Weight *w, uint16_t *y,
                        long ldy, const int64_t *ids, const int64_t *starts,
-                       const int64_t *counts, long segments, long n, long k) {
+                       const int64_t *counts, long segments, long n, long k, long gemm_above) {
     const Sink sink = {y, ldy, 0, 0, 0};
-    mci_experts_into(x, ldx, w, sink, ids, starts, counts, segments, n, k, LONG_MAX);
+    mci_experts_into(x, ldx, w, sink, ids, starts, counts, segments, n, k, gemm_above);
 }
 
 /* The same, each output row then weighted and added into float32 rows: acc [*, n] (zeroed by
@@ -210,9 +211,10 @@ void mci_expert_linear(const uint16_t *x, long ldx, const Weight *w, uint16_t *y
 void mci_expert_linear_combine(const uint16_t *x, long ldx, const Weight *w, float *acc,
                                const int64_t *tokens, const float *weights,
                                const int64_t *ids, const int64_t *starts,
-                               const int64_t *counts, long segments, long n, long k) {
+                               const int64_t *counts, long segments, long n, long k,
+                               long gemm_above) {
     const Sink sink = {0, n, acc, tokens, weights};
-    mci_experts_into(x, ldx, w, sink, ids, starts, counts, segments, n, k, LONG_MAX);
+    mci_experts_into(x, ldx, w, sink, ids, starts, counts, segments, n, k, gemm_above);
 }
 
 /* ---- RMSNorm ------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
  * read in place through slot indices, the rotary embedding, the latent cache write, and the
  * whole attention sublayer of a decode step in one call (mci/layers/attention.py's absorbed
  * path with the kernels, step by step: the same functions, so the same bits). */
+#include <string.h>
+
 #include "cpu_kernels.h"
 
 /* ---- decode attention over latent rows read through slot indices (MLA, absorbed) ---------
@@ -20,43 +22,86 @@
 #define MAX_LATENT 1024 /* c: DeepSeek-V3 has 512 */
 
 #ifdef __AVX512F__
-#define HEAD_BLOCK 8 /* heads whose values share one pass over the key rows (pass 2) */
+#define HEAD_BLOCK 8   /* heads whose values share one pass over the key rows (pass 2) */
+#ifndef KEY_BLOCK
+#define KEY_BLOCK 256 /* keys whose rows every head reads while they are in L2 */
+#endif
+
+/* Pass 2 for NH heads (scores p [NH][len], running sums run [NH][cw]) over keys [b0, b1): 32
+ * latent columns at a time, the heads' sums in registers across the keys. */
+static inline __attribute__((always_inline)) void values_block(
+    const float *p, long len, const uint16_t *cache, const int64_t *slots, long d, long c,
+    long cw, float *run, const int NH, long b0, long b1) {
+    for (long j = 0; j < c; j += 32) {
+        const __mmask16 m0 = c - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c - j)) - 1);
+        const __mmask16 m1 = c - j >= 32   ? (__mmask16)0xffff
+                             : c - j > 16 ? (__mmask16)((1u << (c - j - 16)) - 1)
+                                          : 0;
+        __m512 a0[HEAD_BLOCK], a1[HEAD_BLOCK];
+        for (int hh = 0; hh < NH; hh++) {
+            a0[hh] = _mm512_load_ps(run + hh * cw + j);
+            a1[hh] = _mm512_load_ps(run + hh * cw + j + 16);
+        }
+        for (long l = b0; l < b1; l++) {
+            const uint16_t *row = cache + slots[l] * d + j;
+            const __m512 v0 = widen16(_mm256_maskz_loadu_epi16(m0, row));
+            const __m512 v1 = widen16(_mm256_maskz_loadu_epi16(m1, row + 16));
+            for (int hh = 0; hh < NH; hh++) {
+                const __m512 ph = _mm512_set1_ps(p[hh * len + l]);
+                a0[hh] = _mm512_fmadd_ps(ph, v0, a0[hh]);
+                a1[hh] = _mm512_fmadd_ps(ph, v1, a1[hh]);
+            }
+        }
+        for (int hh = 0; hh < NH; hh++) {
+            _mm512_store_ps(run + hh * cw + j, a0[hh]);
+            _mm512_store_ps(run + hh * cw + j + 16, a1[hh]);
+        }
+    }
+}
 
 /* Each (key, head) score is the 16-lane dot product, chunk by chunk, reduced as
  * _mm512_reduce_add_ps does; each output element's sum adds p[l] * row[l] in the order of l.
  * Both passes keep their accumulators in registers: pass 1 reduces 16 keys' scores for one
- * head at once (reduce16), pass 2 accumulates 8 heads x 32 latent columns over every key before
- * storing them. */
+ * head at once (reduce16), pass 2 accumulates 8 heads x 32 latent columns over a block of keys
+ * before storing them (and takes them up again at the next block: the same chain of
+ * multiply-adds). Keys go in blocks of KEY_BLOCK, so each pass reads a key row from DRAM or
+ * L3 once however many heads and columns revisit it. */
 static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const int64_t *slots,
                        long len, long c, float scale, uint16_t *out, int heads, float *scores) {
     const long d_full = d & ~31L;
     const __mmask32 d_tail = (__mmask32)((1ULL << (d - d_full)) - 1);
-    /* pass 1: scores [heads][len], head by head (its query in registers), 16 keys at a time */
+    /* pass 1: scores [heads][len], block by block of keys, head by head (its query in
+     * registers), 16 keys at a time */
     const __m512i lane_of = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int h = 0; h < heads; h++) {
-        const uint16_t *qh = q + h * d;
-        for (long l0 = 0; l0 < len; l0 += 16) {
-            const int keys = len - l0 < 16 ? (int)(len - l0) : 16;
-            /* keys past the end repeat the block's first (their sums are not stored) */
-            const uint16_t *rows[16];
-            for (int b = 0; b < 16; b++) rows[b] = cache + slots[l0 + (b < keys ? b : 0)] * d;
-            __m512 acc[16];
-            _Pragma("GCC unroll 16") for (int b = 0; b < 16; b++) acc[b] = _mm512_setzero_ps();
-            for (long kk = 0; kk < d_full; kk += 32) {
-                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qh + kk);
-                _Pragma("GCC unroll 16") for (int b = 0; b < 16; b++) acc[b] =
-                    _mm512_dpbf16_ps(acc[b], (__m512bh)_mm512_loadu_si512(rows[b] + kk), qv);
+    for (long b0 = 0; b0 < len; b0 += KEY_BLOCK) {
+        const long b1 = b0 + KEY_BLOCK < len ? b0 + KEY_BLOCK : len;
+        for (int h = 0; h < heads; h++) {
+            const uint16_t *qh = q + h * d;
+            for (long l0 = b0; l0 < b1; l0 += 16) {
+                const int keys = b1 - l0 < 16 ? (int)(b1 - l0) : 16;
+                /* keys past the block repeat its first 16's first (their sums are not stored) */
+                const uint16_t *rows[16];
+                for (int b = 0; b < 16; b++) rows[b] = cache + slots[l0 + (b < keys ? b : 0)] * d;
+                __m512 acc[16];
+                _Pragma("GCC unroll 16") for (int b = 0; b < 16; b++) acc[b] = _mm512_setzero_ps();
+                for (long kk = 0; kk < d_full; kk += 32) {
+                    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qh + kk);
+                    _Pragma("GCC unroll 16") for (int b = 0; b < 16; b++) acc[b] =
+                        _mm512_dpbf16_ps(acc[b], (__m512bh)_mm512_loadu_si512(rows[b] + kk), qv);
+                }
+                if (d_tail) {
+                    const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(d_tail, qh + d_full);
+                    _Pragma("GCC unroll 16") for (int b = 0; b < 16; b++) acc[b] =
+                        _mm512_dpbf16_ps(acc[b],
+                                         (__m512bh)_mm512_maskz_loadu_epi16(d_tail, rows[b] + d_full),
+                                         qv);
+                }
+                /* acc[b]'s sum is in lane 4 (b % 4) + b / 4 of reduce16's result */
+                const __m512 sums = _mm512_permutexvar_ps(lane_of, reduce16(acc));
+                _mm512_mask_storeu_ps(scores + h * len + l0, (__mmask16)((1u << keys) - 1),
+                                      _mm512_mul_ps(sums, vscale));
             }
-            if (d_tail) {
-                const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(d_tail, qh + d_full);
-                _Pragma("GCC unroll 16") for (int b = 0; b < 16; b++) acc[b] = _mm512_dpbf16_ps(
-                    acc[b], (__m512bh)_mm512_maskz_loadu_epi16(d_tail, rows[b] + d_full), qv);
-            }
-            /* acc[b]'s sum is in lane 4 (b % 4) + b / 4 of reduce16's result */
-            const __m512 sums = _mm512_permutexvar_ps(lane_of, reduce16(acc));
-            _mm512_mask_storeu_ps(scores + h * len + l0, (__mmask16)((1u << keys) - 1),
-                                  _mm512_mul_ps(sums, vscale));
         }
     }
     /* softmax per head, in place; the sum kept for the end */
@@ -81,40 +126,33 @@ static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const i
         }
         total[h] = _mm512_reduce_add_ps(vsum);
     }
-    /* pass 2: out[h] = sum_l p[h][l] * row[:c] / total[h], rounded once to bf16 */
-    for (int h0 = 0; h0 < heads; h0 += HEAD_BLOCK) {
-        const int nh = heads - h0 < HEAD_BLOCK ? heads - h0 : HEAD_BLOCK;
-        for (long j = 0; j < c; j += 32) {
-            const __mmask16 m0 = c - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c - j)) - 1);
-            const __mmask16 m1 = c - j >= 32   ? (__mmask16)0xffff
-                                 : c - j > 16 ? (__mmask16)((1u << (c - j - 16)) - 1)
-                                              : 0;
-            /* heads past the block's end repeat its last (their sums are not stored) */
-            const float *p[HEAD_BLOCK];
-            for (int hh = 0; hh < HEAD_BLOCK; hh++) p[hh] = scores + (h0 + (hh < nh ? hh : nh - 1)) * len;
-            __m512 a0[HEAD_BLOCK], a1[HEAD_BLOCK];
-            _Pragma("GCC unroll 8") for (int hh = 0; hh < HEAD_BLOCK; hh++) a0[hh] = a1[hh] =
-                _mm512_setzero_ps();
-            for (long l = 0; l < len; l++) {
-                const uint16_t *row = cache + slots[l] * d + j;
-                const __m512 v0 = widen16(_mm256_maskz_loadu_epi16(m0, row));
-                const __m512 v1 = widen16(_mm256_maskz_loadu_epi16(m1, row + 16));
-                _Pragma("GCC unroll 8") for (int hh = 0; hh < HEAD_BLOCK; hh++) {
-                    const __m512 ph = _mm512_set1_ps(p[hh][l]);
-                    a0[hh] = _mm512_fmadd_ps(ph, v0, a0[hh]);
-                    a1[hh] = _mm512_fmadd_ps(ph, v1, a1[hh]);
-                }
-            }
-            for (int hh = 0; hh < nh; hh++) {
-                float vals[32] __attribute__((aligned(64)));
-                _mm512_store_ps(vals, a0[hh]);
-                _mm512_store_ps(vals + 16, a1[hh]);
-                const float inv = 1.0f / total[h0 + hh];
-                uint16_t *o = out + (h0 + hh) * c + j;
-                for (long i = 0; i < 32 && j + i < c; i++) o[i] = round_bf16(vals[i] * inv);
+    /* pass 2: out[h] = sum_l p[h][l] * row[:c] / total[h], rounded once to bf16; the running
+     * sums of a block of keys wait in acc (L1/L2) for the next block */
+    const long cw = (c + 31) & ~31L; /* acc's row: whole 32-column blocks */
+    float *acc = aligned_alloc(64, sizeof(float) * heads * cw);
+    memset(acc, 0, sizeof(float) * heads * cw);
+    for (long b0 = 0; b0 < len; b0 += KEY_BLOCK) {
+        const long b1 = b0 + KEY_BLOCK < len ? b0 + KEY_BLOCK : len;
+        for (int h0 = 0; h0 < heads; h0 += HEAD_BLOCK) {
+            const float *p = scores + h0 * len;
+            float *run = acc + h0 * cw;
+            switch (heads - h0 < HEAD_BLOCK ? heads - h0 : HEAD_BLOCK) {
+            case 1: values_block(p, len, cache, slots, d, c, cw, run, 1, b0, b1); break;
+            case 2: values_block(p, len, cache, slots, d, c, cw, run, 2, b0, b1); break;
+            case 3: values_block(p, len, cache, slots, d, c, cw, run, 3, b0, b1); break;
+            case 4: values_block(p, len, cache, slots, d, c, cw, run, 4, b0, b1); break;
+            case 5: values_block(p, len, cache, slots, d, c, cw, run, 5, b0, b1); break;
+            case 6: values_block(p, len, cache, slots, d, c, cw, run, 6, b0, b1); break;
+            case 7: values_block(p, len, cache, slots, d, c, cw, run, 7, b0, b1); break;
+            default: values_block(p, len, cache, slots, d, c, cw, run, 8, b0, b1); break;
             }
         }
     }
+    for (int h = 0; h < heads; h++) {
+        const float inv = 1.0f / total[h];
+        for (long j = 0; j < c; j++) out[h * c + j] = round_bf16(acc[h * cw + j] * inv);
+    }
+    free(acc);
 }
 
 #else /* AVX2 (cpu_avx2.h): the AVX-512 code's sums and exps, lane for lane */
@@ -220,7 +258,8 @@ static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const i
 }
 #endif
 
-/* Returns 0, or -1 when the shapes exceed this kernel's fixed buffers (caller falls back). */
+/* Returns 0, or -1 when c or d exceed what the kernel takes (the AVX2 code's fixed buffers;
+ * the caller falls back). */
 int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
                                      const int64_t *slots, long ldslots, const int64_t *lens,
                                      long batch, long heads, long d, long c, float scale,

@@ -264,9 +264,10 @@ class MoE(nn.Module):
     (mci/kernels/cpu_moe.c: the same operations as below, about 45 small torch ops fewer per
     layer): its experts on the skinny kernels when they get at most the kernels'
     `expert_max_rows` tokens, busier ones (prefill chunks) on AMX tiles where the CPU has AMX,
-    else on the AVX-512 build's bf16 GEMM (cpu_gemm.c); the shared experts then run below as
-    usual. The AVX2 build has neither: such a step falls back to the paths below, fed the
-    routing the call computed.
+    else on the AVX-512 build's GEMM (cpu_gemm.c; FP8 experts widened by cpu_fp8.c). The
+    shared experts run inside the call at row counts the skinny kernels take (`max_rows`),
+    below as usual at more. The AVX2 build has no GEMM: a step with a busy expert falls back
+    to the paths below, fed the routing the call computed.
 
     Takes its input in float32 (the decoder layer's norm skips rounding it): routing is a
     discrete choice, and near-ties between experts flip on the rounding of the router's input,
