@@ -1,8 +1,8 @@
 /* The AVX-512-only kernels' entry points in the AVX2 library (build.py): FP8 (AVX512-VBMI's
  * byte lookups, cpu_fp8.c), the bf16 GEMM (cpu_gemm.c) and AMX (cpu_amx.c) do not run on such
  * a CPU, and nothing calls them there (CpuKernels.fp8, .amx and .gemm are False; cpu_moe.c
- * hands busy experts back to the caller). They exist so the shared
- * kernels link; reaching one is a bug, so it aborts rather than return wrong numbers. */
+ * hands busy experts back to the caller). They exist so the shared kernels link; reaching one
+ * is a bug, so it aborts rather than return wrong numbers. */
 #include <stdlib.h>
 
 #include "cpu_kernels.h"

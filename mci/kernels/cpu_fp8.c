@@ -18,9 +18,9 @@
  * kernel's traffic). More rows (prefill chunks, busy experts), cpu_gemm.c's GEMM: a strip of
  * weight rows is widened once into a cache-resident bf16 tile and multiplied there. Each
  * output's sum then runs over the column pairs in order: another order than the skinny
- * kernels' (within float32 summation order of it, as oneDNN's is for bf16). With `skinny_order` (the model's
- * batch invariance) every row count takes the skinny kernels' order instead, through a bf16
- * tile of TILE rows.
+ * kernels' (within float32 summation order of it, as oneDNN's is for bf16). With
+ * `skinny_order` (the model's batch invariance) every row count takes the skinny kernels'
+ * order instead, through a bf16 tile of TILE rows.
  */
 #include <string.h>
 
@@ -31,11 +31,7 @@
 #pragma GCC target("avx512vbmi")
 
 #define TOKENS 4 /* rows of x per pass (as cpu_matvec.c) */
-/* Weight rows per register block: one, so the weight is read in address order (the reason
- * and the bf16 figures: cpu_matvec.c's block_rows). Measured here on a Zen 4 EPYC, one row of
- * x, FP8 weights cold from DRAM: 4 rows interleaved read 512x512 at 15 GB/s and 8192x512 at
- * 19, one row at a time 24 and 30. */
-#define FEATS 1
+#define PREFETCH 4 /* weight rows ahead */
 #define TILE 16  /* weight rows widened per scratch tile */
 #ifndef REGISTER_ROWS
 #define REGISTER_ROWS 16 /* most rows of x widened in registers (in passes of TOKENS rows) */
@@ -112,65 +108,63 @@ static inline __mmask32 word_mask(long count) {
     return count >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << count) - 1);
 }
 
-/* One 64-column chunk of rows [n, n + F) for T rows of x (see fp8_block): `left` columns of
+/* One 64-column chunk of a weight row wr for T rows of x (see fp8_block): `left` columns of
  * the chunk are real (64 in the loop; masked loads only in a row's tail, since masked loads
  * and stores are slow on some CPUs). */
 static inline __attribute__((always_inline)) void fp8_chunk(
-    __m512 acc[FEATS][TOKENS], const uint16_t *x, long ldx, const uint8_t *wr, long k,
-    const Table *t, const int T, const int F, long kk, long left, __m512i order) {
-    for (int i = 0; i < F; i++) {
-        __m512i w0, w1;
-        if (left >= 64) {
-            _mm_prefetch((const char *)(wr + (4 * FEATS + i) * k + kk), _MM_HINT_T0);
-            widen64(_mm512_loadu_si512(wr + i * k + kk), t, order, &w0, &w1);
-            for (int j = 0; j < T; j++) {
-                const uint16_t *xr = x + j * ldx + kk;
-                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)w0,
-                                             (__m512bh)_mm512_loadu_si512(xr));
-                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)w1,
-                                             (__m512bh)_mm512_loadu_si512(xr + 32));
-            }
-            continue;
-        }
-        widen64(_mm512_maskz_loadu_epi8(byte_mask(left), wr + i * k + kk), t, order, &w0, &w1);
-        /* past k: zeros, as the bf16 kernel's masked loads give */
-        w0 = _mm512_maskz_mov_epi16(word_mask(left), w0);
-        w1 = _mm512_maskz_mov_epi16(word_mask(left > 32 ? left - 32 : 0), w1);
+    __m512 acc[TOKENS], const uint16_t *x, long ldx, const uint8_t *wr, long k, const Table *t,
+    const int T, long kk, long left, __m512i order) {
+    __m512i w0, w1;
+    if (left >= 64) {
+        _mm_prefetch((const char *)(wr + PREFETCH * k + kk), _MM_HINT_T0);
+        widen64(_mm512_loadu_si512(wr + kk), t, order, &w0, &w1);
         for (int j = 0; j < T; j++) {
             const uint16_t *xr = x + j * ldx + kk;
-            acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)w0,
-                                         (__m512bh)_mm512_maskz_loadu_epi16(word_mask(left), xr));
-            if (left > 32)
-                acc[i][j] = _mm512_dpbf16_ps(
-                    acc[i][j], (__m512bh)w1,
-                    (__m512bh)_mm512_maskz_loadu_epi16(word_mask(left - 32), xr + 32));
+            acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)w0, (__m512bh)_mm512_loadu_si512(xr));
+            acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)w1,
+                                      (__m512bh)_mm512_loadu_si512(xr + 32));
         }
+        return;
+    }
+    widen64(_mm512_maskz_loadu_epi8(byte_mask(left), wr + kk), t, order, &w0, &w1);
+    /* past k: zeros, as the bf16 kernel's masked loads give */
+    w0 = _mm512_maskz_mov_epi16(word_mask(left), w0);
+    w1 = _mm512_maskz_mov_epi16(word_mask(left > 32 ? left - 32 : 0), w1);
+    for (int j = 0; j < T; j++) {
+        const uint16_t *xr = x + j * ldx + kk;
+        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)w0,
+                                  (__m512bh)_mm512_maskz_loadu_epi16(word_mask(left), xr));
+        if (left > 32)
+            acc[j] = _mm512_dpbf16_ps(
+                acc[j], (__m512bh)w1,
+                (__m512bh)_mm512_maskz_loadu_epi16(word_mask(left - 32), xr + 32));
     }
 }
 
-/* Rows [n, n + F) of w (F <= FEATS, one scale row: tables) for T rows of x, in registers.
- * The sums: one float32 accumulator per output, fed 32 columns per vdpbf16ps in column order,
- * the tail masked, then reduced: cpu_matvec.c's block_rows, term for term. */
+/* Row n of w (its scale row's tables: `tables`) for T rows of x, in registers. One weight row
+ * at a time, so the weight is read in address order (why, and the bf16 figures: cpu_matvec.c's
+ * block_rows; FP8 cold from DRAM on a Zen 4 EPYC, one row of x: 4 rows interleaved read
+ * 512x512 at 15 GB/s and 8192x512 at 19, one row at a time 24 and 30). The sums: one float32
+ * accumulator per output, fed 32 columns per vdpbf16ps in column order, the tail masked, then
+ * reduced: cpu_matvec.c's block_rows, term for term. */
 static inline __attribute__((always_inline)) void fp8_block(
     const uint16_t *x, long ldx, const uint8_t *w, long k, const uint8_t *tables,
-    const Sink *y, const int T, const int F, long n, __m512i order) {
-    __m512 acc[FEATS][TOKENS];
-    for (int i = 0; i < F; i++)
-        for (int j = 0; j < T; j++) acc[i][j] = _mm512_setzero_ps();
+    const Sink *y, const int T, long n, __m512i order) {
+    __m512 acc[TOKENS];
+    for (int j = 0; j < T; j++) acc[j] = _mm512_setzero_ps();
     const uint8_t *wr = w + n * k;
     const long k_full = k & ~127L;
     for (long kk = 0; kk < k_full; kk += 128) { /* whole column blocks: one table each */
         const Table t = load_table(tables + (kk >> 7) * TABLE);
-        fp8_chunk(acc, x, ldx, wr, k, &t, T, F, kk, 64, order);
-        fp8_chunk(acc, x, ldx, wr, k, &t, T, F, kk + 64, 64, order);
+        fp8_chunk(acc, x, ldx, wr, k, &t, T, kk, 64, order);
+        fp8_chunk(acc, x, ldx, wr, k, &t, T, kk + 64, 64, order);
     }
     if (k_full < k) {
         const Table t = load_table(tables + (k_full >> 7) * TABLE);
         for (long kk = k_full; kk < k; kk += 64)
-            fp8_chunk(acc, x, ldx, wr, k, &t, T, F, kk, k - kk, order);
+            fp8_chunk(acc, x, ldx, wr, k, &t, T, kk, k - kk, order);
     }
-    for (int i = 0; i < F; i++)
-        for (int j = 0; j < T; j++) store(y, j, n + i, _mm512_reduce_add_ps(acc[i][j]));
+    for (int j = 0; j < T; j++) store(y, j, n, _mm512_reduce_add_ps(acc[j]));
 }
 
 /* Rows [n0, n1) of w widened into bf16 rows tile [n1 - n0, k]. */
@@ -215,10 +209,10 @@ static void fp8_rows_tokens(const uint16_t *x, long ldx, const uint8_t *w, long 
             build_tables(scale + *table_row * nbk, nbk, tables);
         }
         switch (T) { /* one row at a time, its scale row's tables built above */
-        case 1: fp8_block(x, ldx, w, k, tables, y, 1, 1, n, order); break;
-        case 2: fp8_block(x, ldx, w, k, tables, y, 2, 1, n, order); break;
-        case 3: fp8_block(x, ldx, w, k, tables, y, 3, 1, n, order); break;
-        default: fp8_block(x, ldx, w, k, tables, y, 4, 1, n, order); break;
+        case 1: fp8_block(x, ldx, w, k, tables, y, 1, n, order); break;
+        case 2: fp8_block(x, ldx, w, k, tables, y, 2, n, order); break;
+        case 3: fp8_block(x, ldx, w, k, tables, y, 3, n, order); break;
+        default: fp8_block(x, ldx, w, k, tables, y, 4, n, order); break;
         }
         n++;
     }

@@ -11,13 +11,11 @@
  * more tokens than the skinny kernels take, where the CPU has no AMX (cpu_moe.c). Measured on
  * a 2-core Zen 4 EPYC: 132 rows x a 512x512 weight at 266 GFLOP/s (FP8, widening included),
  * oneDNN's bf16 matmul at 289. */
-#include <string.h>
-
 #include "cpu_kernels.h"
 
 #define STRIP 32 /* weight rows per GEMM strip: two vectors of 16 outputs */
 #define MR 8      /* rows of x per GEMM microkernel: 16 accumulators hide vdpbf16ps's latency */
-#define MC 128    /* rows of x per pass over the strips (they stay in L2 meanwhile) */
+#define MC 128    /* rows of x per pass over a group of strips (they stay in L2 meanwhile) */
 
 /* r[i][j] -> r[j][i] for 16 vectors of 16 dwords: unpack dwords, then qwords, then 128-bit
  * lanes (b[4i + e]'s lane L holds rows 4i..4i+3 of column 4L + e after the first two). */

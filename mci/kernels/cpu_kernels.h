@@ -4,7 +4,6 @@
 #define MCI_CPU_KERNELS_H
 
 #include <immintrin.h>
-#include <limits.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -158,8 +157,8 @@ void mci_fp8_rows_range(const uint16_t *x, long ldx, const Weight *w, long k, Si
 
 /* Stacked experts into a sink: for each segment s, rows [starts[s], starts[s] + counts[s]) of
  * x go through expert ids[s] (`expert_weight`, an [n, k] weight): on the skinny kernels, or
- * bf16 experts with more than gemm_above rows on mci_bf16_gemm (LONG_MAX: never; AVX-512
- * only). cpu_matvec.c. */
+ * bf16 experts with more than gemm_above rows on mci_bf16_gemm (AVX-512 only; a bound above
+ * every count: never). cpu_matvec.c. */
 void mci_experts_into(const uint16_t *x, long ldx, const Weight *w, Sink y,
                       const int64_t *ids, const int64_t *starts, const int64_t *counts,
                       long segments, long n, long k, long gemm_above);

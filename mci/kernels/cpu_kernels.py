@@ -1,8 +1,9 @@
 """Skinny matmuls on the CPU (decode sizes: up to 64 rows) over bf16 weights or FP8 e4m3
-block-scaled weights read in place (cpu_fp8.c: the FP8 matmuls take any number of rows, bit
-for bit the bf16 kernel's result on the dequantised weight), decode attention over the
-latent cache read in place, and the small per-token steps around them (RMSNorm, rope, the
-latent cache write), from cpu_matvec.c; the gated MLP and the whole MoE block at those sizes
+block-scaled weights read in place (cpu_fp8.c: the FP8 matmuls take any number of rows, up to
+16 bit for bit the bf16 kernel's result on the dequantised weight), a GEMM for many rows
+(cpu_gemm.c: busy routed experts), decode attention over the latent cache read in place, and
+the small per-token steps around them (RMSNorm, rope, the latent cache write), from
+cpu_matvec.c; the gated MLP and the whole MoE block at those sizes
 in one call each, from cpu_moe.c; prefill attention's scores and softmax, from
 cpu_prefill_attention.c.
 
@@ -131,9 +132,9 @@ class KernelWeight:
 
     def set_skinny_order(self, enabled: bool) -> None:
         """FP8 calls of more rows than cpu_fp8.c's REGISTER_ROWS (`CpuKernels.fp8_skinny_rows`)
-        sum in the skinny kernels' order (a row's result
-        then never depends on the call's row count: batch invariance) instead of the GEMM's
-        (faster; within float32 summation order of it). cpu_fp8.c."""
+        sum in the skinny kernels' order (a row's result then never depends on the call's row
+        count: batch invariance) instead of the GEMM's (faster; within float32 summation order
+        of it). cpu_fp8.c."""
         self.struct.skinny_order = int(enabled)
 
 

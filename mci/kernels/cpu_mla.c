@@ -23,9 +23,7 @@
 
 #ifdef __AVX512F__
 #define HEAD_BLOCK 8   /* heads whose values share one pass over the key rows (pass 2) */
-#ifndef KEY_BLOCK
-#define KEY_BLOCK 256 /* keys whose rows every head reads while they are in L2 */
-#endif
+#define KEY_BLOCK 256  /* keys whose rows every head reads while they are in L2 */
 
 /* Pass 2 for NH heads (scores p [NH][len], running sums run [NH][cw]) over keys [b0, b1): 32
  * latent columns at a time, the heads' sums in registers across the keys. */
