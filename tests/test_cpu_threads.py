@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -70,26 +71,34 @@ class FakeReader:
         return self.now
 
 
-def test_governor_drops_a_thread_at_once_and_adds_it_back_after_two_windows(monkeypatch):
+def test_governor_lowers_and_raises_after_two_windows_and_never_lowers_while_idle(monkeypatch):
     reader, calls = FakeReader(), []
     clock = [reader.now.wall]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    gov = ThreadGovernor(2, calls.append, reader, interval_s=0.5, raise_after=2)
+    gov = ThreadGovernor(2, calls.append, reader, interval_s=0.5, raise_after=2, lower_after=2)
 
-    def window(others: float, waited: float = 0.0) -> int:
+    def window(others: float, waited: float = 0.0, stepping: bool = True) -> int:
+        gov.between_steps(stepping)  # inside the window: nothing is read
         reader.advance(0.5, others, waited=waited)
         clock[0] = reader.now.wall
-        gov.between_steps()
+        gov.between_steps(stepping)
         return gov.threads
 
     assert window(0.2) == 2 and calls == []
-    assert window(1.0) == 1 and calls == [1]  # a busy neighbour: at once
+    # a client starting up beside an idle engine: idle windows take no thread
+    assert window(1.0, stepping=False) == 2
+    assert window(1.0, stepping=False) == 2 and calls == []
+    assert window(1.0) == 2  # one busy window is a burst
+    assert window(0.0) == 2
+    assert window(1.0) == 2
+    assert window(1.0) == 1 and calls == [1]  # a busy neighbour: two windows in a row
     assert window(0.0) == 1  # one quiet window is not enough
     assert window(1.0) == 1
     assert window(0.0) == 1
-    assert window(0.0) == 2 and calls == [1, 2]
+    assert window(0.0, stepping=False) == 2 and calls == [1, 2]  # idle windows give back
     # competing with our two threads the neighbour gets 0.6 of a CPU; our threads' wait
     # shows what it took from them
+    assert window(0.6, waited=0.4) == 2
     assert window(0.6, waited=0.4) == 1 and calls == [1, 2, 1]
     clock[0] += 0.1  # inside a window: nothing is read
     gov.between_steps()
@@ -208,6 +217,18 @@ def test_mci_serve_gives_a_busy_neighbour_its_cpu_and_answers_the_same(checkpoin
                 f"import os; os.sched_setaffinity(0, {{{cpus[-1]}}})\nwhile 1: pass",
             ]
         )
+        stop = threading.Event()
+
+        def keep_stepping() -> None:  # an idle engine keeps its threads; a busy one gives
+            while not stop.is_set():
+                httpx.post(
+                    server.url + "/v1/completions",
+                    json={**body, "max_tokens": 64, "ignore_eos": True},
+                    timeout=60,
+                )
+
+        load = threading.Thread(target=keep_stepping)
+        load.start()
         try:
             wait_threads(server, len(cpus) - 1)
             gauge = f"mci:cpu_threads {len(cpus) - 1:.1f}"  # from the engine's next heartbeat
@@ -219,5 +240,7 @@ def test_mci_serve_gives_a_busy_neighbour_its_cpu_and_answers_the_same(checkpoin
         finally:
             busy.kill()
             busy.wait()
+            stop.set()
+            load.join()
         wait_threads(server, len(cpus))
     assert loaded["choices"][0]["text"] == quiet["choices"][0]["text"]

@@ -169,16 +169,17 @@ class EngineCore:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         return self.scheduler.abort_request(request_id)
 
-    def between_steps(self) -> None:
-        """The periodic checks: compute threads, the heap's free memory."""
+    def between_steps(self, stepping: bool = True) -> None:
+        """The periodic checks: compute threads, the heap's free memory; `stepping`: a step
+        runs next (False while idle: the thread governor lowers nothing on idle windows)."""
         if self.threads is not None:
-            self.threads.between_steps()
+            self.threads.between_steps(stepping)
         if self.free_memory is not None:
             self.free_memory.between_steps()
 
     def idle(self) -> None:
         """Called while there is no work (a parallel run keeps its ranks' collectives alive)."""
-        self.between_steps()
+        self.between_steps(stepping=False)
         self.runner.model.keepalive()
 
     def abort_all(self, error: str) -> list[RequestOutput]:

@@ -9,7 +9,8 @@ the front end is a third contender), and to 3.9 with one thread. Under a 1.5-CPU
 threads ran out of quota and were throttled (3.6-3.9 ms/token) where one thread was not
 (2.9). So the engine computes with as many threads as it has whole CPUs free.
 
-What it reads, every `interval_s` (0.5 s), between steps (so never inside one):
+What it reads, every `interval_s` (0.5 s), between steps and while idle (so never inside a
+step):
 
 * `available`: the CPUs this process may run on (its affinity) and its CPU quota (cgroup v2
   `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, the tightest along its path);
@@ -27,9 +28,19 @@ code each; measured in docs/reliability.md), so every count the governor may pic
 set of kernels. Five counts at most (max, 3/4, 1/2, 1/4 of it, 1) bound that memory, and the
 engine compiles every level's set at start (engine/builder.py), so none lands mid-traffic.
 
-Fewer threads at once (one more step with a preempted thread costs a scheduler slice); more
-only when `raise_after` windows in a row agree, so a short burst of other work does not make
-the count flap.
+Fewer threads only when `lower_after` windows in a row ask for them, and more only when
+`raise_after` windows in a row do, so a short burst of other work does not make the count
+flap: a thread taken away for a burst stays away for at least `raise_after` windows more.
+A neighbour that holds a CPU asks in every window, so it gets its CPU one window
+(0.5 s) later than at once.
+
+Windows in which the engine ran no step never take a thread away: an idle engine loses nothing
+by keeping its threads, and what such a window sees is other work alone, which may be a burst
+that ends before any request arrives (measured: a benchmark client starting up, ~1 CPU for
+1-2 s, took a thread from an idle engine right before its batch came, and the batch's ~1 s
+prefill and first decode steps ran on one thread: TTFT p50 1.4-1.7 s against 1.0-1.1 s with
+the threads fixed). Once steps run, a neighbour that stays shows in their windows. Idle
+windows may still give threads back.
 
 Invariant it relies on (tests/test_cpu_threads.py): the thread count never changes a result.
 The kernels' sums run in the same order whatever the thread count (cpu_matvec.c), and the
@@ -50,6 +61,7 @@ log = logging.getLogger("mci")
 
 INTERVAL_S = 0.5  # how often the CPUs are read: ~50 us a read, against a ~2 ms step
 RAISE_AFTER = 2  # windows in a row that must ask for more threads before they are added
+LOWER_AFTER = 2  # windows in a row that must ask for fewer threads before they are taken
 # A CPU counts as taken when other work keeps it this busy. The front end and the clients
 # beside a served engine come in bursts between steps (measured: 0.5-1.0 CPU of them on a
 # 32-request batch), and taking a thread away for them lost throughput (one run: 643 against
@@ -200,13 +212,16 @@ class ThreadGovernor:
         reader: ProcCpuReader | None = None,
         interval_s: float = INTERVAL_S,
         raise_after: int = RAISE_AFTER,
+        lower_after: int = LOWER_AFTER,
     ):
         self.max_threads = max_threads
         self.threads = max_threads  # what the process computes with now
         self._set = set_threads
         self._interval = interval_s
-        self._raise_after = raise_after
-        self._asks = 0  # windows in a row that asked for more threads
+        self._after = {True: raise_after, False: lower_after}  # by "asked for more"
+        self._asks = 0  # windows in a row that asked for a change the same way
+        self._asked_more: bool | None = None  # which way they asked
+        self._stepped = False  # the engine ran a step in the window being measured
         self.changes = 0
         self._last: CpuReading | None = None
         try:
@@ -217,15 +232,19 @@ class ThreadGovernor:
         if self._last is None:
             log.info("no CPU readings here; compute threads stay at %d", max_threads)
 
-    def between_steps(self) -> None:
-        """Read the CPUs when a window has passed, and change the thread count if they ask."""
-        if self._last is None or time.monotonic() - self._last.wall < self._interval:
+    def between_steps(self, stepping: bool = True) -> None:
+        """Read the CPUs when a window has passed, and change the thread count if they ask;
+        `stepping`: a step runs next (False: called while the engine is idle). That step
+        belongs to the next window."""
+        if self._last is None:
             return
-        try:
-            self._adjust()
-        except Exception:  # noqa: BLE001 - never the step's failure
-            log.exception("reading the CPUs failed; compute threads stay at %d", self.threads)
-            self._last = None
+        if time.monotonic() - self._last.wall >= self._interval:
+            try:
+                self._adjust()
+            except Exception:  # noqa: BLE001 - never the step's failure
+                log.exception("reading the CPUs failed; compute threads stay at %d", self.threads)
+                self._last = None
+        self._stepped = self._stepped or stepping
 
     def _adjust(self) -> None:
         now = self._reader.read()
@@ -240,19 +259,25 @@ class ThreadGovernor:
         others = max(0.0, (now.busy - last.busy) - (now.own - last.own)) / wall
         others += max(0.0, now.waited - last.waited) / wall
         target = target_threads(now.available, others, self.max_threads)
-        if target > self.threads:
-            self._asks += 1
-            if self._asks < self._raise_after:
-                return
-        self._asks = 0
-        if target != self.threads:
-            log.info(
-                "compute threads %d -> %d: %.1f of %.1f CPUs wanted by other work",
-                self.threads,
-                target,
-                others,
-                now.available,
-            )
-            self.threads = target
-            self.changes += 1
-            self._set(target)
+        stepped, self._stepped = self._stepped, False
+        if target < self.threads and not stepped:
+            target = self.threads  # an idle window lowers nothing (see the module docstring)
+        if target == self.threads:
+            self._asks, self._asked_more = 0, None
+            return
+        more = target > self.threads
+        self._asks = self._asks + 1 if more == self._asked_more else 1
+        self._asked_more = more
+        if self._asks < self._after[more]:
+            return
+        self._asks, self._asked_more = 0, None
+        log.info(
+            "compute threads %d -> %d: %.1f of %.1f CPUs wanted by other work",
+            self.threads,
+            target,
+            others,
+            now.available,
+        )
+        self.threads = target
+        self.changes += 1
+        self._set(target)
