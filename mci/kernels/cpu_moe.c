@@ -151,17 +151,27 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
         }
         start += counts[i];
     }
+    /* Each buffer its own allocation: a prefill chunk's are a few MB to tens of MB each, under
+     * the mmap threshold the engine gives glibc (mci/process_tuning.py), so they come back
+     * from the heap each layer; one block of all of them was above it, and every layer
+     * page-faulted it in and unmapped it again. */
     int64_t *tokens = malloc(sizeof(int64_t) * a_count);
     float *sorted_weights = malloc(sizeof(float) * a_count);
-    uint16_t *xs = malloc(sizeof(uint16_t) * (a_count * (hidden + 3 * inter) + t * hidden));
-    uint16_t *gu = xs + a_count * hidden, *act = gu + a_count * 2 * inter;
-    uint16_t *xb = act + a_count * inter; /* x rounded to bf16 */
-    for (long i = 0; i < t * hidden; i++) xb[i] = round_bf16(x[i]);
+    uint16_t *xs = malloc(sizeof(uint16_t) * a_count * hidden);
+    uint16_t *gu = malloc(sizeof(uint16_t) * a_count * 2 * inter);
+    uint16_t *act = malloc(sizeof(uint16_t) * a_count * inter);
     for (long a = 0; a < a_count; a++) {
         const long row = first[ids[a]]++;
         tokens[row] = a / top_k;
         sorted_weights[row] = weights[a];
-        memcpy(xs + row * hidden, xb + (a / top_k) * hidden, sizeof(uint16_t) * hidden);
+    }
+    /* each expert's rows of x, rounded to bf16 (round_bf16 per copy: the same bits as rounding
+     * once, and the copies split over the threads) */
+#pragma omp parallel for schedule(static) if (a_count * hidden >= 65536)
+    for (long row = 0; row < a_count; row++) {
+        const float *src = x + tokens[row] * hidden;
+        uint16_t *dst = xs + row * hidden;
+        for (long i = 0; i < hidden; i++) dst[i] = round_bf16(src[i]);
     }
     const Sink rows = {gu, 2 * inter, 0, 0, 0};
     const Sink combine = {0, hidden, out, tokens, sorted_weights};
@@ -180,13 +190,16 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
                          segments, hidden, inter, max_rows);
     }
     if (w_s_gate_up) { /* out + shared: float32 + bf16, as MoE.forward adds them */
-        uint16_t *shared = malloc(sizeof(uint16_t) * t * hidden);
+        uint16_t *xb = malloc(sizeof(uint16_t) * 2 * t * hidden), *shared = xb + t * hidden;
+        for (long i = 0; i < t * hidden; i++) xb[i] = round_bf16(x[i]);
         mci_gated_mlp(xb, hidden, w_s_gate_up, w_s_down, t, hidden, s_inter, shared);
         for (long i = 0; i < t * hidden; i++) out[i] += bf16_to_float(shared[i]);
-        free(shared);
+        free(xb);
     }
     free(tokens);
     free(sorted_weights);
     free(xs);
+    free(gu);
+    free(act);
     return 0;
 }
