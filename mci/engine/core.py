@@ -169,7 +169,7 @@ class EngineCore:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         return self.scheduler.abort_request(request_id)
 
-    def between_steps(self, stepping: bool = True) -> None:
+    def between_steps(self, stepping: bool) -> None:
         """The periodic checks: compute threads, the heap's free memory; `stepping`: a step
         runs next (False while idle: the thread governor lowers nothing on idle windows)."""
         if self.threads is not None:
@@ -187,7 +187,7 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Advance every runnable request by one step; returns the step's outputs."""
-        self.between_steps()
+        self.between_steps(stepping=True)
         sched = self.scheduler
         outputs = sched.take_handoffs() + sched.expire_deadlines() + sched.reject_failed_grammars()
         batch = sched.schedule()

@@ -38,8 +38,8 @@ Windows in which the engine ran no step never take a thread away: an idle engine
 by keeping its threads, and what such a window sees is other work alone, which may be a burst
 that ends before any request arrives (measured: a benchmark client starting up, ~1 CPU for
 1-2 s, took a thread from an idle engine right before its batch came, and the batch's ~1 s
-prefill and first decode steps ran on one thread: TTFT p50 1.4-1.7 s against 1.0-1.1 s with
-the threads fixed). Once steps run, a neighbour that stays shows in their windows. Idle
+prefill and first decode steps ran on one thread: TTFT p50 1.3-1.7 s against 1.0-1.1 s with
+the threads fixed at two). Once steps run, a neighbour that stays shows in their windows. Idle
 windows may still give threads back.
 
 Invariant it relies on (tests/test_cpu_threads.py): the thread count never changes a result.

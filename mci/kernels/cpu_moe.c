@@ -151,10 +151,11 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
         }
         start += counts[i];
     }
-    /* Each buffer its own allocation: a prefill chunk's are a few MB to tens of MB each, under
-     * the mmap threshold the engine gives glibc (mci/process_tuning.py), so they come back
-     * from the heap each layer; one block of all of them was above it, and every layer
-     * page-faulted it in and unmapped it again. */
+    /* Each buffer its own allocation: at `small`'s 4,096-token prefill chunk each is at most
+     * 16 MB, under the mmap threshold the engine gives glibc (mci/process_tuning.py), so they
+     * come back from the heap each layer; one block of all of them (42 MB) was above it, and
+     * every layer page-faulted it in and unmapped it again. Bigger models' chunks still take
+     * fresh mappings. */
     int64_t *tokens = malloc(sizeof(int64_t) * a_count);
     float *sorted_weights = malloc(sizeof(float) * a_count);
     uint16_t *xs = malloc(sizeof(uint16_t) * a_count * hidden);
