@@ -21,6 +21,19 @@
    machine where every such millisecond is taken from the engine's step. Frozen objects are
    never scanned again (`gc.freeze`, as CPython's documentation suggests for a process that
    forks or serves after a long start-up); the collector still runs for objects made later.
+
+3. Back the weights with 2 MB pages (`huge_pages`, on the fresh parameters, before the
+   checkpoint is copied in). A decode step streams every active weight from memory, and on
+   4 KB pages each 4 KB of it costs a TLB miss and a page walk, and the hardware prefetchers
+   stop at each page's end. Linux gives anonymous memory huge pages only where asked
+   (transparent_hugepage=madvise is the common default; it was here): `MADV_HUGEPAGE` on
+   memory not yet touched makes its first touch map 2 MB pages. Measured on a 2-core Zen 4
+   EPYC: a 256 MB bf16 weight streamed cold by the skinny kernels, 4 KB against 2 MB pages
+   alternating in one process, 22.9 -> 24.7 GB/s at one row of x, 16.1 -> 17.2 at 4, 10.1 ->
+   11.5 at 8; the `small` model's batch-1 decode step, two engines alternating in one
+   process, median 3.99 -> 3.81 and 4.57 -> 3.96 ms in two runs (14 of 18 rounds faster), its
+   32-request step level (24.8 against 25.2 ms). Moving memory already touched
+   (`MADV_COLLAPSE`) copies it: 13 s for 4 GB here, too slow for a start-up.
 """
 
 from __future__ import annotations
@@ -33,6 +46,8 @@ M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc refuses more on 64-bit
 NEVER_TRIM = 2**31 - 1  # mallopt takes an int
+MADV_HUGEPAGE = 14  # madvise advice, from Linux's mman-common.h
+HUGE_PAGE = 2 * 1024 * 1024
 
 
 def keep_freed_memory() -> bool:
@@ -55,3 +70,30 @@ def freeze_startup_objects() -> None:
     survivors from every later collection."""
     gc.collect()
     gc.freeze()
+
+
+def huge_pages(tensors) -> int:
+    """Ask Linux for 2 MB pages under the CPU tensors' memory, before it is first written; the
+    bytes asked for. Only whole huge pages inside a storage are asked for (a storage under 2
+    MB, or the edges of a larger one, stay as they are); each storage once. Memory already
+    touched keeps its pages. Where the kernel refuses (transparent huge pages off) nothing
+    changes and the count says so: a speed-up, never a requirement."""
+    name = ctypes.util.find_library("c")
+    madvise = getattr(ctypes.CDLL(name, use_errno=True), "madvise", None) if name else None
+    if madvise is None:
+        return 0
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    asked, seen = 0, set()
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            continue
+        storage = tensor.untyped_storage()
+        start = storage.data_ptr()
+        if start in seen:
+            continue
+        seen.add(start)
+        lo = -(-start // HUGE_PAGE) * HUGE_PAGE
+        hi = (start + storage.nbytes()) // HUGE_PAGE * HUGE_PAGE
+        if hi > lo and madvise(lo, hi - lo, MADV_HUGEPAGE) == 0:
+            asked += hi - lo
+    return asked

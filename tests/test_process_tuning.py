@@ -43,3 +43,39 @@ def _faults(mode: str) -> int:
 def test_freed_memory_is_reused():
     default, kept = _faults("default"), _faults("kept")
     assert kept * 3 < default, (default, kept)
+
+
+# A 16 MB tensor asked onto 2 MB pages before its first write: the bytes asked for, and the
+# huge pages Linux then maps under it (smaps of the mappings that hold it).
+HUGE = """
+import torch
+from mci.process_tuning import huge_pages
+
+t = torch.empty(16 << 20, dtype=torch.uint8)
+asked = huge_pages([t, t[1:]])  # one storage, asked for once
+t.fill_(7)
+start, end = t.data_ptr(), t.data_ptr() + t.numel()
+huge, inside = 0, False
+for line in open("/proc/self/smaps"):  # the advised range is a mapping of its own
+    head = line.split()[0]
+    if "-" in head and not head.endswith(":"):
+        lo, hi = (int(x, 16) for x in head.split("-"))
+        inside = lo < end and start < hi
+    elif inside and head == "AnonHugePages:":
+        huge += int(line.split()[1]) << 10
+print(asked, huge, int(t.sum()) == 7 * (16 << 20))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
+def test_weights_are_asked_onto_huge_pages_before_their_first_write():
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are off on this machine")
+    out = subprocess.run([sys.executable, "-c", HUGE], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise AssertionError(out.stderr)
+    asked, huge, intact = out.stdout.split()
+    assert 12 << 20 <= int(asked) <= 16 << 20, asked  # whole 2 MB pages inside the storage
+    assert int(huge) >= 8 << 20, (asked, huge)  # Linux may leave some pages small
+    assert intact == "True"

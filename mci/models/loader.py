@@ -27,6 +27,7 @@ from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.models.layout import checkpoint_layout, mtp_prefixes
 from mci.parallel.context import ParallelContext
 from mci.parallel.sharding import SKIP, local_expert, tensor_shard
+from mci.process_tuning import huge_pages
 
 log = logging.getLogger("mci")
 
@@ -192,6 +193,8 @@ def load_model(
             model = DeepseekV3ForCausalLM(cfg, compute_dtype, with_mtp, parallel)
     except ValueError as exc:  # a size the parallel layout cannot split
         raise UserError(str(exc)) from None
+    asked = huge_pages(model.parameters())  # before the copies below first touch them
+    log.info("weights on 2 MB pages: %.0f of %.0f MB", asked / 1e6, model.weight_bytes() / 1e6)
     modules = dict(model.named_modules())
     by_file: dict[Path, list[str]] = {}
     for name in expected:
