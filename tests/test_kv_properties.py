@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mci.cache.kv_manager import KVCacheManager
-from mci.cache.radix_cache import RadixCache
+from mci.cache.radix_cache import RadixCache, _common_length
 from mci.cache.slot_pool import OutOfSlotsError, SlotPool
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
@@ -138,3 +138,18 @@ def test_pool_sizing_from_tokens_gib_or_free_memory():
     for bad in ({"max_total_tokens": 0}, {"kv_cache_gb": -1.0}, {"mem_fraction_static": 0}):
         with pytest.raises(UserError):
             CacheConfig(**bad)
+
+
+@given(
+    st.lists(st.integers(0, 3), max_size=64),
+    st.lists(st.integers(0, 3), max_size=64),
+    st.integers(0, 64),
+)
+def test_common_length_is_the_common_prefix(a, tail, keep):
+    """The radix tree's prefix length (list comparisons, halving) against its definition."""
+    b = a[:keep] + tail
+    expected = 0
+    while expected < min(len(a), len(b)) and a[expected] == b[expected]:
+        expected += 1
+    assert _common_length(a, b) == expected
+    assert _common_length(b, a) == expected

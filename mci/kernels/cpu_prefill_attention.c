@@ -42,19 +42,33 @@ static void scores_block(const uint16_t *q, long d, const uint16_t *kp, long nkb
     }
 }
 
-static void softmax_row(const float *s, long limit, long lp, uint16_t *p, float *lse) {
-    float mx = -INFINITY;
-    for (long l = 0; l < limit; l++) mx = s[l] > mx ? s[l] : mx;
+/* The row's softmax; s (its scaled scores) is overwritten with their exps. The maximum runs
+ * over 16 lanes, then across them: max is exact, and a NaN score is skipped either way (as
+ * the plain loop's comparison skipped it), so mx is the plain loop's. Each exp is computed
+ * once (pass 1 keeps it for pass 2), the same vector exp of the same value as before.
+ * Measured against the scalar maximum and two exps, alternating in one process on a 2-core
+ * Zen 4 EPYC, outputs bit-equal: 992 query rows of 8 heads over a 1,024-token shared prefix
+ * (a burst on one system prompt) 16.0 -> 13.2 ms a call, a causal 1,056-token prefill 12.5 ->
+ * 11.0 ms. */
+static void softmax_row(float *s, long limit, long lp, uint16_t *p, float *lse) {
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    long l = 0;
+    for (; l + 16 <= limit; l += 16) vmax = _mm512_max_ps(_mm512_loadu_ps(s + l), vmax);
+    float mx = _mm512_reduce_max_ps(vmax);
+    for (; l < limit; l++) mx = s[l] > mx ? s[l] : mx;
     const __m512 vmx = _mm512_set1_ps(mx);
     /* pass 1: the sum of exps (the same vector order for every row of this limit) */
     __m512 vsum = _mm512_setzero_ps();
-    long l = 0;
-    for (; l + 16 <= limit; l += 16)
-        vsum = _mm512_add_ps(vsum, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + l), vmx)));
+    for (l = 0; l + 16 <= limit; l += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + l), vmx));
+        _mm512_storeu_ps(s + l, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
     if (l < limit) {
         const __mmask16 m = (__mmask16)((1u << (limit - l)) - 1);
-        vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(
-                                           _mm512_maskz_loadu_ps(m, s + l), vmx))));
+        const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + l), vmx)));
+        _mm512_mask_storeu_ps(s + l, m, e);
+        vsum = _mm512_add_ps(vsum, e);
     }
     const float total = _mm512_reduce_add_ps(vsum);
     *lse = limit > 0 ? mx + logf(total) : -INFINITY;
@@ -65,7 +79,7 @@ static void softmax_row(const float *s, long limit, long lp, uint16_t *p, float 
         if (l < limit) {
             const __mmask16 m = limit - l >= 16 ? (__mmask16)0xffff
                                                 : (__mmask16)((1u << (limit - l)) - 1);
-            e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + l), vmx)));
+            e = _mm512_maskz_loadu_ps(m, s + l);
         }
         _mm256_storeu_si256((__m256i *)(p + l), round16(_mm512_mul_ps(e, inv)));
     }
