@@ -1,12 +1,8 @@
 """The front end's handle on the engine process: start, submit, abort, health, restarts.
 
 `EngineSupervisor` owns the engine process and its pipe; what is in flight lives in its
-`InFlightTable` (server/in_flight.py). The server's event loop reads the engine's messages
-(`read_on`: the pipe is one more file the loop waits on) and hands each output to its
-request's asyncio queue through the table. A message that comes before the loop reads waits in
-the pipe. Why not a reader thread: on a machine with few cores every CPU the front end spends
-comes out of the engine's compute threads, and a thread costs a wake-up, a GIL hand-over and a
-second wake-up of the loop per step (call_soon_threadsafe); reading on the loop costs one.
+`InFlightTable` (server/in_flight.py). A reader thread receives the engine's messages and
+hands each output to its request's asyncio queue through the table.
 
 If the engine process dies (a crash, an out-of-memory kill, a broken parallel run) the
 supervisor restarts it, with backoff, up to `max_restarts` times in `RESTART_WINDOW_S`:
@@ -54,7 +50,7 @@ from mci.engine.config import EngineConfig
 from mci.errors import UserError
 from mci.model_config import ModelConfig
 from mci.server.engine_process import engine_main
-from mci.server.in_flight import InFlightTable, call_on
+from mci.server.in_flight import InFlightTable
 
 log = logging.getLogger("mci")
 
@@ -110,7 +106,6 @@ class EngineSupervisor:
         self._tokens = itertools.count()
         self._closing = False
         self._generation = 0
-        self._loop: asyncio.AbstractEventLoop | None = None  # reads the pipe (`read_on`)
         self.alive = False
         self._start()
         threading.Thread(target=self._watch, name="mci-engine-watchdog", daemon=True).start()
@@ -159,25 +154,16 @@ class EngineSupervisor:
             self._last_heard = time.monotonic()
             self._hung = False
             self.alive = True
-            generation = self._generation
-            loop = self._loop
         if kept:
             log.info("resent %d request(s) to the new engine", len(kept))
-        if loop is not None:  # a restart (on its own thread): the loop reads the new pipe
-            call_on(loop, self._read_pipe, conn, generation)
-
-    def read_on(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Read the engine's messages on `loop` from now on (this engine and every restarted
-        one). Call once, on that loop's thread, before serving."""
-        with self._lock:
-            self._loop = loop
-            conn, generation = self._conn, self._generation
-        self._read_pipe(conn, generation)
-
-    def _read_pipe(self, conn, generation: int) -> None:
-        """Start reading an engine generation's pipe (on the loop's thread)."""
-        if generation == self._generation and self.alive:
-            self._loop.add_reader(conn.fileno(), self._on_readable, conn, generation)
+        reader = threading.Thread(
+            target=self._read,
+            args=(conn, self._generation),
+            name="mci-engine-reader",
+            daemon=True,
+        )
+        reader.start()
+        self._reader = reader
 
     # ---- sending ------------------------------------------------------------------------------
     def _send(self, msg: commands.Command) -> None:
@@ -248,33 +234,26 @@ class EngineSupervisor:
         return max(WATCHDOG_MIN_S, WATCHDOG_STEP_FACTOR * self._longest_step_s)
 
     # ---- receiving ----------------------------------------------------------------------------
-    def _on_readable(self, conn, generation: int) -> None:
-        """Take one message from the pipe (on the loop; it calls again while more wait). A
-        message arrives in one write, so recv() only waits while one is being written. At EOF
-        the engine is gone: its death is handled on a thread (it reaps the process, which may
-        take seconds)."""
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            self._loop.remove_reader(conn.fileno())
-            threading.Thread(
-                target=self._on_death, args=(generation,), name="mci-engine-death", daemon=True
-            ).start()
-            return
-        self._take(msg)
-
-    def _take(self, msg) -> None:
-        self._last_heard = time.monotonic()
-        if isinstance(msg, commands.Heartbeat):
-            self.stats = msg.stats
-        elif isinstance(msg, commands.Outputs):
-            self.stats = msg.stats
-            self.in_flight.deliver(msg.outputs)
-        elif isinstance(msg, commands.StateReply):
-            entry = self._state_waiters.get(msg.token)
-            if entry:
-                loop, fut = entry
-                call_on(loop, lambda f=fut, s=msg.state: f.done() or f.set_result(s))
+    def _read(self, conn, generation: int) -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                self._on_death(generation)
+                return
+            self._last_heard = time.monotonic()
+            if isinstance(msg, commands.Heartbeat):
+                self.stats = msg.stats
+            elif isinstance(msg, commands.Outputs):
+                self.stats = msg.stats
+                self.in_flight.deliver(msg.outputs)
+            elif isinstance(msg, commands.StateReply):
+                entry = self._state_waiters.get(msg.token)
+                if entry:
+                    loop, fut = entry
+                    loop.call_soon_threadsafe(
+                        lambda f=fut, s=msg.state: f.done() or f.set_result(s)
+                    )
 
     # ---- death and restarts -------------------------------------------------------------------
     def _on_death(self, generation: int) -> None:
@@ -299,9 +278,10 @@ class EngineSupervisor:
         reason = (HUNG if self._hung else RESTARTED) if restart else ENGINE_DIED
         self.in_flight.fail(ended.failed, reason)
         self.in_flight.fail(ended.failed_twice, HUNG_TWICE)
-        restarting = EngineDied("engine restarting")
         for loop, fut in list(self._state_waiters.values()):
-            call_on(loop, lambda f=fut: f.done() or f.set_exception(restarting))
+            loop.call_soon_threadsafe(
+                lambda f=fut: f.done() or f.set_exception(EngineDied("engine restarting"))
+            )
         if restart:
             threading.Thread(target=self._restart, name="mci-engine-restart", daemon=True).start()
 
@@ -321,7 +301,7 @@ class EngineSupervisor:
             silent = time.monotonic() - self._last_heard
             if not self.alive or self._hung or silent <= limit:
                 return
-            if self._conn.poll(0):  # the engine spoke; the loop is behind (a busy front end)
+            if self._conn.poll(0):  # the engine spoke; the reader is behind (a busy front end)
                 return
             self._hung = True
             process = self.process
@@ -332,7 +312,7 @@ class EngineSupervisor:
             limit,
             process.pid,
         )
-        process.kill()  # its pipe closes: the loop takes the death (and restart) path
+        process.kill()  # its pipe closes: the reader takes the death (and restart) path
 
     def _expire_queued(self) -> None:
         """While no engine runs, end the requests kept for the next one whose queue bound
@@ -388,3 +368,6 @@ class EngineSupervisor:
             self.process.kill()
             self.process.join(5)
         self.alive = False
+        deadline = time.monotonic() + 2
+        while self._reader.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)

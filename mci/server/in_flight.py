@@ -1,9 +1,8 @@
 """The front end's requests in the engine: where each sample's outputs go, what to send again.
 
 Each `AddRequest` the front end sends is an entry until its last sample's final output has
-been delivered. Outputs go to the asyncio queue of their sample: at once when they arrive on
-that queue's own event loop (where the server reads the engine's pipe), else handed to that
-loop thread-safe. The table also answers the
+been delivered. Outputs arrive on the engine reader's thread and go to the asyncio queue of
+their sample (on that queue's own event loop, thread-safe). The table also answers the
 questions an engine's death asks (server/engine_supervisor.py): which requests can be sent
 again unchanged (none of their samples has produced output), which must fail, and which have
 waited past their queue bound while no engine ran.
@@ -102,9 +101,8 @@ class InFlightTable:
             self._targets.pop(sid, None)
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand outputs to their queues: directly on the caller's own loop, and one wake-up of
-        each other loop per call, not one per output (a step of 32 requests is one syscall,
-        not 32)."""
+        """Hand outputs to their queues: one wake-up of each event loop per call, not one per
+        output (a step of 32 requests is one syscall, not 32)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             for out in outputs:
@@ -120,7 +118,10 @@ class InFlightTable:
                         self._requests.pop(target.request_id)
                 by_loop.setdefault(target.loop, []).append((target.queue, out))
         for loop, items in by_loop.items():
-            call_on(loop, _put_all, items)
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed (shutting down)
+                pass
 
     def fail(self, sample_ids_: list[str], error: str) -> None:
         self.deliver([RequestOutput.aborted(sid, error) for sid in sample_ids_])
@@ -167,23 +168,6 @@ class InFlightTable:
     def all_samples(self) -> list[str]:
         with self._lock:
             return [sid for e in self._requests.values() for sid in e.samples]
-
-
-def call_on(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    """Run fn(*args) on `loop`: now when the caller is that loop's own thread (no wake-up),
-    else at the loop's next turn (thread-safe); dropped when the loop is closed (shutting
-    down)."""
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:  # not on any loop: a thread (the watchdog, a restart)
-        running = None
-    if running is loop:
-        fn(*args)
-        return
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        pass
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -7,7 +7,6 @@ and the command exits 0. A second signal (or SIGINT) stops at once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import signal
 import threading
@@ -37,10 +36,6 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState):
         super().__init__(config)
         self.state = state
-
-    async def startup(self, sockets=None) -> None:
-        self.state.engine.read_on(asyncio.get_running_loop())  # outputs are read on this loop
-        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and not self.state.draining:
