@@ -48,6 +48,7 @@ MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc refuses more on 64-bit
 NEVER_TRIM = 2**31 - 1  # mallopt takes an int
 MADV_HUGEPAGE = 14  # madvise advice, from Linux's mman-common.h
 HUGE_PAGE = 2 * 1024 * 1024
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def keep_freed_memory() -> bool:
@@ -76,8 +77,14 @@ def huge_pages(tensors) -> int:
     """Ask Linux for 2 MB pages under the CPU tensors' memory, before it is first written; the
     bytes asked for. Only whole huge pages inside a storage are asked for (a storage under 2
     MB, or the edges of a larger one, stay as they are); each storage once. Memory already
-    touched keeps its pages. Where the kernel refuses (transparent huge pages off) nothing
-    changes and the count says so: a speed-up, never a requirement."""
+    touched keeps its pages. Where transparent huge pages are off (`never`) or the kernel has
+    none, nothing is asked and the count is 0: a speed-up, never a requirement."""
+    try:
+        with open(THP_ENABLED) as f:
+            if "[never]" in f.read():
+                return 0
+    except OSError:  # no such file: a kernel without transparent huge pages
+        return 0
     name = ctypes.util.find_library("c")
     madvise = getattr(ctypes.CDLL(name, use_errno=True), "madvise", None) if name else None
     if madvise is None:

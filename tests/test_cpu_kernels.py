@@ -4,11 +4,13 @@ the oneDNN model."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from helpers import stepwise_logits
 
-from mci.kernels import cpu_kernels
+from mci.kernels import build, cpu_kernels
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.layers.linear import bf16_matmuls_supported
 from mci.layers.mlp import GatedMLP
@@ -498,3 +500,25 @@ def test_turned_off_by_the_environment(monkeypatch):
     finally:
         monkeypatch.delenv("MCI_CPU_MATVEC")
         cpu_kernels.load.cache_clear()
+
+
+@pytest.mark.skipif(" avx2" not in build.cpu_flags(), reason="the AVX2 build runs on AVX2 CPUs")
+def test_avx2_build_compiles_and_its_prefill_attention_matches_softmax():
+    """The AVX2 build (every CPU without AVX-512 loads it) compiles from the same sources,
+    whose AVX-512 intrinsics cpu_avx2.h stands in for: a missing stand-in fails the whole
+    build, and such CPUs then lose every kernel. Its prefill attention (masked rows, a tail
+    not a multiple of 16) against float32 softmax attention."""
+    lib = ctypes.CDLL(str(build.built_library("avx2")))
+    kernels = cpu_kernels.CpuKernels(lib, "avx2", False, False)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 40, 96, generator=g).bfloat16()
+    k = torch.randn(1, 2, 50, 96, generator=g).bfloat16()
+    v = torch.randn(1, 2, 50, 64, generator=g).bfloat16()
+    limits = torch.randint(1, 51, (1, 40), generator=g)
+    out, lse = kernels.prefill_attention(q, k, v, limits, 0.1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * 0.1
+    seen = torch.arange(50)[None, :] < limits[0][:, None]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    ref = torch.softmax(scores, -1) @ v.float()
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)  # P rounded to bf16
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)

@@ -212,6 +212,14 @@ static inline float mci_reduce_halves(__m256 lo, __m256 hi) {
 
 static inline float mci_reduce_add_ps(__m512 v) { return mci_reduce_halves(mci_lo(v), mci_hi(v)); }
 
+/* the largest of 16 float32 lanes (exact in any order; callers keep NaN out of the lanes) */
+static inline float mci_reduce_max_ps(__m512 v) {
+    const __m256 t = _mm256_max_ps(mci_lo(v), mci_hi(v));
+    __m128 q = _mm_max_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    q = _mm_max_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+    return q[0] > q[1] ? q[0] : q[1];
+}
+
 /* 8 float32 -> 8 bf16 in the low 16 bits of each 32-bit lane */
 static inline __m256i mci_round8(__m256 v) {
     const __m256i u = _mm256_castps_si256(v);
@@ -297,6 +305,7 @@ static inline __m512 mci_scalef_ps(__m512 p, __m512 n) {
 #define _mm512_cvtepu16_epi32 mci_cvtepu16_epi32
 #define _mm512_dpbf16_ps mci_dpbf16_ps
 #define _mm512_reduce_add_ps mci_reduce_add_ps
+#define _mm512_reduce_max_ps mci_reduce_max_ps
 #define _mm512_cvtneps_pbh mci_cvtneps_pbh
 #define _mm512_scalef_ps mci_scalef_ps
 /* exp512 only rounds to nearest */

@@ -194,7 +194,9 @@ def load_model(
     except ValueError as exc:  # a size the parallel layout cannot split
         raise UserError(str(exc)) from None
     asked = huge_pages(model.parameters())  # before the copies below first touch them
-    log.info("weights on 2 MB pages: %.0f of %.0f MB", asked / 1e6, model.weight_bytes() / 1e6)
+    log.info(
+        "2 MB pages asked for %.0f of %.0f MB of weights", asked / 1e6, model.weight_bytes() / 1e6
+    )
     modules = dict(model.named_modules())
     by_file: dict[Path, list[str]] = {}
     for name in expected:
