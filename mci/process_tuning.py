@@ -32,8 +32,10 @@
    alternating in one process, 22.9 -> 24.7 GB/s at one row of x, 16.1 -> 17.2 at 4, 10.1 ->
    11.5 at 8; the `small` model's batch-1 decode step, two engines alternating in one
    process, median 3.99 -> 3.81 and 4.57 -> 3.96 ms in two runs (14 of 18 rounds faster), its
-   32-request step level (24.8 against 25.2 ms). Moving memory already touched
-   (`MADV_COLLAPSE`) copies it: 13 s for 4 GB here, too slow for a start-up.
+   32-request step level (24.8 against 25.2 ms). The cost is start-up: loading `small` took a
+   median 0.26 s against 0.14 s on 4 KB pages (4 loads each, alternating), the huge pages'
+   faults being dearer. Moving memory already touched (`MADV_COLLAPSE`) copies it: 13 s for
+   4 GB here, too slow for a start-up.
 """
 
 from __future__ import annotations

