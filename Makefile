@@ -56,15 +56,17 @@ test-ray: $(RAY_VENV)/.installed
 # The GPU checks in one command, on a machine with CUDA: the transformers-parity suites and
 # FP8 exactness with mci and transformers on the GPU (MCI_TEST_DEVICE), then a served benchmark
 # (`mci serve --device cuda`, batch and single). On this CPU-only machine it stops at once.
+# On a GPU image whose python already holds torch with CUDA (and mci's dependencies), use that
+# python instead of building .venv (whose torch is the CPU build): `make test-gpu PY=python3`.
 GPU_DEVICE ?= cuda
 GPU_SUITES := tests/test_parity_hf.py tests/test_engine_parity.py tests/test_fp8_kernels.py \
 	tests/test_prompt_logprobs.py
-test-gpu: $(VENV)/.installed
+test-gpu: $(if $(filter $(VENV)/%,$(PY)),$(VENV)/.installed)
 	$(PY) -c 'import sys, torch; torch.cuda.is_available() or sys.exit(f"test-gpu: torch {torch.__version__} sees no CUDA device")'
 	MCI_TEST_DEVICE=$(GPU_DEVICE) $(PY) -m pytest -q $(GPU_SUITES)
 	bash benchmarks/prepare_checkpoint.sh mci-only
 	$(PY) benchmarks/run.py --engines mci --workloads batch,single --mci-extra "--device $(GPU_DEVICE)" \
-		--doc docs/benchmarks-gpu.md
+		--ready-timeout 300 --bench-timeout 300 --doc docs/benchmarks-gpu.md
 
 # lm-evaluation-harness through `mci serve` vs transformers (slow; installs the extra on first use).
 test-lm-eval: $(VENV)/.installed

@@ -14,12 +14,16 @@ machine floor of the same step (`mci bench floors`).
     python benchmarks/profile_decode_step.py --model CKPT --batch 1,32 --steps 64 --json out.json
     python benchmarks/profile_decode_step.py --model benchmarks/.peers/small-bf16-32k --batch 1 \
         --context 8192    # decode at 8k of context
+    python benchmarks/profile_decode_step.py --model CKPT --device cuda   # the GPU path
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -57,11 +61,11 @@ class PhaseClock:
         return timed
 
 
-def build(model_path: Path, dtype: str, context: int):
-    model = load_model(model_path, dtype)
+def build(model_path: Path, dtype: str, context: int, device: str = "cpu"):
+    model = load_model(model_path, dtype, device)
     tokenizer = TextTokenizer.load(model_path)
     config = EngineConfig(
-        model=ModelPlacement(model_path=model_path, dtype=dtype),
+        model=ModelPlacement(model_path=model_path, dtype=dtype, device=device),
         cache=CacheConfig(max_total_tokens=max(32768, 2 * context + 4096)),
     )
     return build_engine_core(config, model, tokenizer)
@@ -106,10 +110,18 @@ def profile(core, batch: int, steps: int, top: int, context: int) -> dict:
             delattr(obj, attr)  # the instance attribute set above: the class's method again
         model_runner_module.sample, AttentionMetadata.build = saved_sample, saved_build
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available() and core.runner.model.lm_head.weight.is_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)  # the kernels' own time too
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(8):
             core.step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    # Python's view of the same steps: where the host's time goes between the operators
+    python_profile = cProfile.Profile()
+    python_profile.runcall(lambda: [core.step() for _ in range(8)])
+    listing = io.StringIO()
+    pstats.Stats(python_profile, stream=listing).sort_stats("tottime").print_stats(top)
 
     for req in list(sched.running) + list(sched.waiting):
         core.abort_request(req.request_id)
@@ -125,6 +137,7 @@ def profile(core, batch: int, steps: int, top: int, context: int) -> dict:
         "step_ms_p50": 1e3 * statistics.median(step_times),
         "phases_ms": phases,
         "torch_profile": table,
+        "python_profile": listing.getvalue(),
     }
 
 
@@ -132,6 +145,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
     ap.add_argument("--batch", default="1,32", help="comma-separated batch sizes")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--context", type=int, default=32, help="prompt tokens of each request")
@@ -139,9 +153,9 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    machine = measure_machine()
+    machine = measure_machine(device=args.device)
     cost = ModelCost.of(load_config(args.model))
-    core = build(args.model, args.dtype, args.context)
+    core = build(args.model, args.dtype, args.context, args.device)
     results = []
     for batch in (int(b) for b in args.batch.split(",")):
         got = profile(core, batch, args.steps, args.top, args.context)
@@ -154,6 +168,7 @@ def main() -> int:
             f"{got['step_ms_p50']:.2f} p50; floor {got['floor_ms']:.2f} ms\n   {phases}\n"
         )
         print(got["torch_profile"])
+        print(got["python_profile"])
     if args.json:
         args.json.write_text(json.dumps({"machine": vars(machine), "results": results}, indent=2))
     return 0

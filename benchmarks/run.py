@@ -489,6 +489,34 @@ def bench_arg(wl: str, flag: str) -> int:
     return int(bench_args[bench_args.index(flag) + 1])
 
 
+def mci_device(args) -> str:
+    """The device mci serves on in this run (its --device in --mci-extra; cpu without one):
+    the floors are that device's."""
+    extra = shlex.split(args.mci_extra)
+    for i, arg in enumerate(extra):
+        if arg == "--device" and i + 1 < len(extra):
+            return extra[i + 1]
+        if arg.startswith("--device="):
+            return arg.split("=", 1)[1]
+    return "cpu"
+
+
+def gpu_names(device: str) -> str:
+    """', GPU: <name>' for a run on CUDA (from nvidia-smi), else ''."""
+    if not device.startswith("cuda"):
+        return ""
+    try:
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return ", GPU: unknown (no nvidia-smi)"
+    return ", GPU: " + "; ".join(n.strip() for n in names if n.strip())
+
+
 def workload_floors(workloads: list[str], args) -> dict:
     """`mci bench floors` for the workloads whose requests all arrive at once on random
     prompts (batch, single, long, many): the machine's measured bandwidth and matmul rate, and
@@ -506,7 +534,7 @@ def workload_floors(workloads: list[str], args) -> dict:
     out: dict = {"machine": None, "floors": {}}
     for ckpt, specs in shapes.items():
         cmd = shlex.split(args.bench_cmd.replace(" bench serve", " bench floors"))
-        cmd += ["--model-path", str(ckpt), "--json"]
+        cmd += ["--model-path", str(ckpt), "--json", "--device", mci_device(args)]
         cmd += [x for spec in specs for x in ("--shape", spec)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd="/", timeout=600)
         if proc.returncode:
@@ -623,7 +651,7 @@ def markdown_section(summary: dict) -> str:
     if machine:
         out.append(
             "Machine floor: `mci bench floors` (mci/bench/floors.py): the bytes each step must "
-            "read and the FLOPs it must do over this machine's measured "
+            f"read and the FLOPs it must do over the measured {summary.get('mci_device', 'cpu')}'s "
             f"{machine['bandwidth_gbs']:.1f} GB/s and the faster of its bf16 "
             f"{machine['bf16_gflops']:.0f} and fp32 {machine['fp32_gflops']:.0f} GFLOP/s;"
             " a floor for ms, a ceiling for tok/s; n/a where arrivals or shared prefixes set "
@@ -789,10 +817,12 @@ def main() -> int:
         "timestamp": stamp,
         "argv": shlex.join([sys.executable, *sys.argv]),
         "machine": f"{os.cpu_count()} CPUs, {os.uname().machine}, "
-        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
+        + gpu_names(mci_device(args)),
         "engines": engines,
         "workloads": workloads,
         "rounds": args.rounds,
+        "mci_device": mci_device(args),
         "master_seed": seed,
         "seeds": seeds,
         "versions": peer_versions(engines, args),

@@ -18,7 +18,12 @@ import time
 from pathlib import Path
 
 from mci.config_fields import add_flags, from_args
-from mci.engine.config import DEFAULT_MODEL, add_engine_flags, engine_config_from_args
+from mci.engine.config import (
+    DEFAULT_MODEL,
+    add_engine_flags,
+    check_device,
+    engine_config_from_args,
+)
 from mci.errors import UserError
 from mci.ray_serve.config import RayServeConfig
 from mci.router.config import RouterConfig
@@ -234,7 +239,8 @@ def _cmd_bench_floors(args: argparse.Namespace) -> int:
         raise UserError(str(e)) from None
     if not (args.model_path / "config.json").is_file():
         raise UserError(f"{args.model_path} has no config.json")
-    return main(args.model_path, shapes, args.json)
+    check_device(args.device)
+    return main(args.model_path, shapes, args.json, args.device)
 
 
 def _cmd_run_batch(args: argparse.Namespace) -> int:
@@ -350,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a workload: that many requests at once, each INPUT tokens in and OUTPUT out",
     )
     bf.add_argument("--json", action="store_true", help="print JSON")
+    bf.add_argument(
+        "--device", default="cpu", help="measure this torch device (cpu, cuda): the engine's"
+    )
     bf.set_defaults(func=_cmd_bench_floors)
 
     b = sub.add_parser("run-batch", help="offline inference over an OpenAI Batch API file")

@@ -12,6 +12,7 @@ import torch
 from helpers import prefill_logits
 from safetensors.torch import load_file, save_file
 
+from mci.engine.config import DEFAULT_MODEL
 from mci.errors import CheckpointError, ConfigError, UserError
 from mci.models.loader import load_model
 
@@ -166,3 +167,17 @@ def test_cli_bad_flag_is_one_line():
     result = _cli("generate", "--prompt", "x", "--max-new-tokens", "-3")
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("device", ["foo", "cuda", "cuda:7"])
+@pytest.mark.parametrize("command", [["serve"], ["bench", "floors", "--shape", "x=1,2,3"]])
+def test_cli_device_this_torch_cannot_use_is_one_line(device, command):
+    """--device names a device this process's torch can compute on, or the CLI says so in one
+    line (exit 2) before an engine starts: no traceback from the engine process."""
+    if device != "foo" and torch.cuda.device_count() > int(device.partition(":")[2] or 0):
+        pytest.skip(f"this machine has {device}")
+    model = ["--model-path", str(DEFAULT_MODEL)]
+    result = _cli(*command, *model, "--device", device)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mci: error: --device"), result.stderr

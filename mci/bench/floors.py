@@ -38,7 +38,7 @@ class Machine:
     """What this machine sustains, measured with torch on all its threads."""
 
     bandwidth_gbs: float  # GB/s reading memory: the sum of a 256 MB float32 tensor
-    bf16_gflops: float  # a bf16 square matmul (2,048^2 where it takes under ~0.1 s)
+    bf16_gflops: float  # a bf16 square matmul (2,048^2 where it takes under ~0.1 s; GPU: 8,192^2)
     fp32_gflops: float  # the same in float32
 
     @property
@@ -47,34 +47,44 @@ class Machine:
         return max(self.bf16_gflops, self.fp32_gflops) * 1e9
 
 
-def measure_machine(repeats: int = 10, budget_s: float = 1.0) -> Machine:
+def measure_machine(repeats: int = 10, budget_s: float = 1.0, device: str = "cpu") -> Machine:
     """Best of up to `repeats` runs for each figure (the machine's capability, not its noise),
     each figure within about `budget_s`: where a dtype has no fast kernel (bf16 on a CPU without
-    AVX-512 BF16 runs ~1 GFLOP/s), its matmul stays small instead of taking minutes."""
+    AVX-512 BF16 runs ~1 GFLOP/s), its matmul stays small instead of taking minutes. On a GPU
+    (`device` cuda) the figures are the GPU's: its memory read and its matmuls, timed to their
+    end (kernels run asynchronously), with products up to 8,192^2 (2,048^2 is over in
+    microseconds there, so launch overhead would set the rate)."""
     import torch
+
+    where = torch.device(device)
+    finish = torch.cuda.synchronize if where.type == "cuda" else (lambda: None)
 
     def best(fn) -> float:
         fn()
+        finish()
         times: list[float] = []
         spent = 0.0
         while len(times) < repeats and (spent < budget_s or len(times) < 2):
             t = time.perf_counter()
             fn()
+            finish()
             times.append(time.perf_counter() - t)
             spent += times[-1]
         return min(times)
 
-    big = torch.ones(64 * 2**20, dtype=torch.float32)
+    big = torch.ones(64 * 2**20, dtype=torch.float32, device=where)
     bandwidth = big.numel() * 4 / best(big.sum) / 1e9
+    largest = 8192 if where.type == "cuda" else 2048
     rates = {}
     for dtype in (torch.bfloat16, torch.float32):
-        n = 256  # doubled while one product takes under a tenth of the budget, up to 2,048
+        n = 256  # doubled while one product takes under a tenth of the budget, up to `largest`
         while True:
-            a = torch.randn(n, n).to(dtype)
-            b = torch.randn(n, n).to(dtype)
+            a = torch.randn(n, n, device=where).to(dtype)
+            b = torch.randn(n, n, device=where).to(dtype)
             t = time.perf_counter()
             a @ b
-            if n >= 2048 or time.perf_counter() - t > budget_s / 10:
+            finish()
+            if n >= largest or time.perf_counter() - t > budget_s / 10:
                 break
             n *= 2
         rates[dtype] = 2 * n**3 / best(lambda a=a, b=b: a @ b) / 1e9
@@ -190,9 +200,9 @@ def floors(cost: ModelCost, machine: Machine, shape: Shape) -> dict[str, float]:
     }
 
 
-def main(model_path: Path, shapes: list[Shape], as_json: bool) -> int:
+def main(model_path: Path, shapes: list[Shape], as_json: bool, device: str = "cpu") -> int:
     cost = ModelCost.of(load_config(model_path))
-    machine = measure_machine()
+    machine = measure_machine(device=device)
     result = {
         "machine": asdict(machine),
         "model": asdict(cost),

@@ -53,12 +53,33 @@ class ModelPlacement:
 
     def __post_init__(self):
         check_choices(self)
+        check_device(self.device)
         if self.cpu_threads != "auto" and not (
             str(self.cpu_threads).isdigit() and int(self.cpu_threads) > 0
         ):
             raise UserError(
                 f"--cpu-threads must be auto or a positive number, got {self.cpu_threads!r}"
             )
+
+
+def check_device(name: str) -> None:
+    """A --device this process's torch can compute on: a one-line error here, where the
+    engine process would otherwise die on it with a traceback while starting."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(
+            f"--device {name!r} is not a torch device (cpu, cuda, cuda:1, ...)"
+        ) from None
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise UserError(f"--device {name}: torch {torch.__version__} sees no CUDA device")
+    if device.index is not None and device.index >= count:
+        raise UserError(f"--device {name}: torch sees {count} CUDA device(s)")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mci.kernels import cpu_kernels
 from mci.layers.attention_metadata import AttentionGroup, AttentionMetadata
@@ -69,6 +70,22 @@ IN_PLACE_QUERY_ROWS = 8
 # and merges the two by their log-sum-exps. Measured on the `small` model, 31 requests of 32
 # new tokens after a shared 1,024-token prefix: see `_cascade`.
 CASCADE_MIN_PREFIX = 256
+
+# SDPA's backends on CUDA, cuDNN's left out: torch picks it first on Hopper, and it plans a
+# cuDNN graph for every new shape. A decode step's context is one token longer each step, so
+# every call planned anew: ~6.5 ms of host time a call against ~7 us of GPU time (an H200,
+# torch 2.11: a `small` decode step took 78 ms, 8 of them per step). The flash and
+# memory-efficient kernels plan nothing per shape; math is the fallback for what they refuse.
+GPU_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """F.scaled_dot_product_attention, on CUDA restricted to `GPU_SDPA_BACKENDS`; elsewhere
+    unchanged (the CPU's choice of kernel, and so its results, stay as they were)."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(list(GPU_SDPA_BACKENDS)):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def choose_absorbed(cfg: ModelConfig, meta: AttentionMetadata | AttentionGroup) -> bool:
@@ -397,7 +414,7 @@ class MultiHeadLatentAttention(nn.Module):
                 m = mask.shape[0]  # 1 when the mask is shared by the group's sequences
                 mask = mask[:, None, :, None].expand(-1, -1, -1, h, -1).reshape(m, 1, -1, length)
         kv = context[:, None]  # [B, 1, L, kv_lora + rope]
-        out = F.scaled_dot_product_attention(
+        out = sdpa(
             q_full.view(b, 1, q_len * h, d), kv, kv, attn_mask=mask, scale=self.scale
         )  # [B, 1, Q*H, kv_lora + rope]
         out_lat = out.view(b * q_len, h, d)[..., : self.kv_lora_rank]
@@ -517,7 +534,7 @@ class MultiHeadLatentAttention(nn.Module):
             v = F.pad(v, (0, q.shape[-1] - self.v_dim))
         # [B, 1, Q, L]; a fresh sequence uses SDPA's own causal mode (its fastest kernel)
         mask = None if group.causal or group.mask is None else group.mask[:, None]
-        out = F.scaled_dot_product_attention(
+        out = sdpa(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
