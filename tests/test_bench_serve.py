@@ -73,3 +73,41 @@ def test_bench_serve_unreachable_server_is_one_line_error():
         timeout=60,
     )
     assert result.returncode == 2 and result.stderr.strip().startswith("mci: error:")
+
+
+def test_sse_reader_takes_long_lines_split_anywhere():
+    """The client's event reader against a real aiohttp server on loopback: a 300 kB event
+    line (a chunk with many logprobs, say), CRLF line ends, and writes that split lines
+    mid-way all come through, up to `[DONE]` and nothing after it."""
+    import asyncio
+
+    from aiohttp import ClientSession, web
+
+    from mci.bench.serve import _sse_data
+
+    long_text = "x" * 300_000
+    events = [json.dumps({"n": 1}), json.dumps({"text": long_text}), json.dumps({"n": 3})]
+    wire = "".join(f"data: {e}\r\n\r\n" for e in events).encode() + b"data: [DONE]\n\ndata: 4\n\n"
+
+    async def stream(request):
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for start in range(0, len(wire), 7919):  # pieces that end inside lines
+            await response.write(wire[start : start + 7919])
+        return response
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/", stream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with ClientSession() as session, session.get(f"http://127.0.0.1:{port}/") as r:
+                return [data async for data in _sse_data(r)]
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(main()) == events

@@ -5,6 +5,11 @@ needed), streamed, with Poisson arrivals at `--request-rate` (`inf`: all at once
 it records time to first token (TTFT), time per output token after the first (TPOT), the gaps
 between streamed chunks (ITL) and end-to-end latency; it reports request and token throughput,
 p50/p90/p99 of each latency, and goodput: requests per second meeting every given SLO.
+
+The client is aiohttp, as vLLM's and SGLang's serving benchmarks use: it runs on the machine
+beside the server it measures, so its own CPU is taken from the server. Measured on the
+2-core machine, 32 streams of 128 tokens: 0.15 s of client CPU a round against 0.38 s with
+httpx (this module's client before), and mci served 4-8% more tok/s beside it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from mci.errors import UserError
@@ -95,23 +100,35 @@ def _code_prompt(rng: random.Random, input_len: int, edit: bool) -> str:
     return f"{block}{EDIT_MARKER}{first_line}"
 
 
+async def _sse_data(response: aiohttp.ClientResponse):
+    """The `data:` payloads of a server-sent event stream, up to `[DONE]`, from the body's
+    pieces as they arrive (a piece may end anywhere in a line; CRLF line ends are taken)."""
+    pending = b""
+    async for piece in response.content.iter_any():
+        pending += piece
+        *lines, pending = pending.split(b"\n")
+        for raw in lines:
+            line = raw.decode().rstrip("\r")
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            yield data
+
+
 async def _one(
-    client: httpx.AsyncClient, url: str, headers: dict, body: dict, t0: float
+    client: aiohttp.ClientSession, url: str, headers: dict, body: dict, t0: float
 ) -> RequestResult:
     res = RequestResult(start=time.perf_counter() - t0)
     sent = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async with client.post(url, json=body, headers=headers) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
+            async for data in _sse_data(r):
                 chunk = json.loads(data)
                 if "error" in chunk:
                     res.error = str(chunk["error"])
@@ -131,7 +148,7 @@ async def _one(
         res.ok = res.output_tokens > 0
         if not res.ok:
             res.error = "no tokens"
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     return res
 
@@ -148,12 +165,15 @@ async def run_benchmark(
     progress: bool = True,
 ) -> tuple[list, float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+    session = aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None),
+        connector=aiohttp.TCPConnector(limit=0),  # a connection per request in flight
+    )
+    async with session as client:
         if model is None:
-            r = await client.get(base_url + "/v1/models", headers=headers)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+            async with client.get(base_url + "/v1/models", headers=headers) as r:
+                r.raise_for_status()
+                model = (await r.json())["data"][0]["id"]
         spec_before = await _spec_counters(client, base_url, headers)
         rng = random.Random(seed + 1)
         bar = tqdm(total=len(prompts), desc="requests", disable=not progress)
@@ -193,13 +213,14 @@ async def _spec_counters(client, base_url: str, headers: dict) -> dict[str, floa
     """The server's speculative decoding counters (`mci:` or `vllm:spec_decode_*` on
     /metrics), or None where it exports none."""
     try:
-        r = await client.get(base_url + "/metrics", headers=headers)
-    except httpx.HTTPError:
-        return None
-    if r.status_code != 200:
+        async with client.get(base_url + "/metrics", headers=headers) as r:
+            if r.status != 200:
+                return None
+            text = await r.text()
+    except aiohttp.ClientError:
         return None
     found = {}
-    for line in r.text.splitlines():
+    for line in text.splitlines():
         for name in SPEC_COUNTERS:
             for prefix in ("mci:", "vllm:"):
                 if line.startswith(f"{prefix}spec_decode_{name}_total "):
@@ -363,7 +384,7 @@ def main(args) -> int:
                 progress=not args.disable_tqdm,
             )
         )
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         raise UserError(f"cannot reach {args.base_url}: {exc}") from None
     summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
     summary["spec_decode"] = spec
