@@ -61,12 +61,15 @@ test-ray: $(RAY_VENV)/.installed
 GPU_DEVICE ?= cuda
 GPU_SUITES := tests/test_parity_hf.py tests/test_engine_parity.py tests/test_fp8_kernels.py \
 	tests/test_prompt_logprobs.py
+# Every step runs on $(PY), also where a .venv exists beside it (the scripts' own default).
+# A GPU run is short: a server not ready or a benchmark not done in 5 minutes is a failure.
+GPU_PY = $(if $(findstring /,$(PY)),$(abspath $(PY)),$(PY))
 test-gpu: $(if $(filter $(VENV)/%,$(PY)),$(VENV)/.installed)
 	$(PY) -c 'import sys, torch; torch.cuda.is_available() or sys.exit(f"test-gpu: torch {torch.__version__} sees no CUDA device")'
 	MCI_TEST_DEVICE=$(GPU_DEVICE) $(PY) -m pytest -q $(GPU_SUITES)
-	bash benchmarks/prepare_checkpoint.sh mci-only
+	MCI="env PYTHONPATH=$(CURDIR) $(GPU_PY) -m mci" bash benchmarks/prepare_checkpoint.sh mci-only
 	$(PY) benchmarks/run.py --engines mci --workloads batch,single --mci-extra "--device $(GPU_DEVICE)" \
-		--ready-timeout 300 --bench-timeout 300 --doc docs/benchmarks-gpu.md
+		--mci-python $(GPU_PY) --ready-timeout 300 --bench-timeout 300 --doc docs/benchmarks-gpu.md
 
 # lm-evaluation-harness through `mci serve` vs transformers (slow; installs the extra on first use).
 test-lm-eval: $(VENV)/.installed

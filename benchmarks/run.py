@@ -514,7 +514,8 @@ def gpu_names(device: str) -> str:
         ).stdout.split("\n")
     except (OSError, subprocess.SubprocessError):
         return ", GPU: unknown (no nvidia-smi)"
-    return ", GPU: " + "; ".join(n.strip() for n in names if n.strip())
+    names = [n.strip() for n in names if n.strip()]
+    return ", GPU: " + ("; ".join(names) or "unknown (nvidia-smi named none)")
 
 
 def workload_floors(workloads: list[str], args) -> dict:
@@ -651,7 +652,8 @@ def markdown_section(summary: dict) -> str:
     if machine:
         out.append(
             "Machine floor: `mci bench floors` (mci/bench/floors.py): the bytes each step must "
-            f"read and the FLOPs it must do over the measured {summary.get('mci_device', 'cpu')}'s "
+            "read and the FLOPs it must do over the measured memory bandwidth and matmul rates of "
+            f"the device mci serves on ({summary.get('mci_device', 'cpu')}): "
             f"{machine['bandwidth_gbs']:.1f} GB/s and the faster of its bf16 "
             f"{machine['bf16_gflops']:.0f} and fp32 {machine['fp32_gflops']:.0f} GFLOP/s;"
             " a floor for ms, a ceiling for tok/s; n/a where arrivals or shared prefixes set "

@@ -103,7 +103,7 @@ def test_sse_reader_takes_long_lines_split_anywhere():
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        port = runner.addresses[0][1]
         try:
             async with ClientSession() as session, session.get(f"http://127.0.0.1:{port}/") as r:
                 return [data async for data in _sse_data(r)]
@@ -111,3 +111,31 @@ def test_sse_reader_takes_long_lines_split_anywhere():
             await runner.cleanup()
 
     assert asyncio.run(main()) == events
+
+
+def test_sse_reader_joins_pieces_split_in_a_character_or_a_crlf():
+    """Pieces chosen to end inside a UTF-8 character and between CR and LF (a server's writes
+    and TCP may cut anywhere): each event arrives whole and decoded."""
+    import asyncio
+
+    from mci.bench.serve import _sse_data
+
+    events = [json.dumps({"text": "héllo ☃"}, ensure_ascii=False), json.dumps({"n": 2})]
+    wire = "".join(f"data: {e}\r\n\r\n" for e in events).encode() + b"data: [DONE]\n\n"
+    snowman = wire.index("☃".encode()) + 1  # inside the three bytes of U+2603
+    crlf = wire.index(b"\r\n") + 1  # between the first CR and its LF
+    cuts = sorted({crlf, snowman, len(wire) - 3})
+    pieces = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
+
+    class Body:  # what `_sse_data` reads of an aiohttp response: its content's pieces
+        async def iter_any(self):
+            for piece in pieces:
+                yield piece
+
+    class Response:
+        content = Body()
+
+    async def read():
+        return [data async for data in _sse_data(Response())]
+
+    assert asyncio.run(read()) == events

@@ -142,7 +142,7 @@ def test_gpu_decode_attention_plans_no_graph_per_shape(checkpoint):
     """On CUDA, bf16 attention never runs SDPA's cuDNN backend: it plans a graph for every new
     shape, and a decode step's context grows by one each step (measured on an H200: ~6.5 ms of
     host time per call, a `small` step 78 ms). The fused flash / memory-efficient kernels run
-    instead, and the tokens are those of a batch run beside it."""
+    instead."""
     device = device_under_test()
     if device.type != "cuda":
         pytest.skip("a CUDA check: MCI_TEST_DEVICE=cuda (make test-gpu)")

@@ -37,7 +37,7 @@ _EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 class Machine:
     """What this machine sustains, measured with torch on all its threads."""
 
-    bandwidth_gbs: float  # GB/s reading memory: the sum of a 256 MB float32 tensor
+    bandwidth_gbs: float  # GB/s reading memory: the sum of a 256 MB float32 tensor (GPU: 1 GB)
     bf16_gflops: float  # a bf16 square matmul (2,048^2 where it takes under ~0.1 s; GPU: 8,192^2)
     fp32_gflops: float  # the same in float32
 
@@ -57,7 +57,8 @@ def measure_machine(repeats: int = 10, budget_s: float = 1.0, device: str = "cpu
     import torch
 
     where = torch.device(device)
-    finish = torch.cuda.synchronize if where.type == "cuda" else (lambda: None)
+    gpu = where.type == "cuda"
+    finish = (lambda: torch.cuda.synchronize(where)) if gpu else (lambda: None)
 
     def best(fn) -> float:
         fn()
@@ -72,12 +73,17 @@ def measure_machine(repeats: int = 10, budget_s: float = 1.0, device: str = "cpu
             spent += times[-1]
         return min(times)
 
-    big = torch.ones(64 * 2**20, dtype=torch.float32, device=where)
+    # 256 MB on a CPU (past its caches); 1 GB on a GPU, whose read of 256 MB is over in
+    # ~60 us, near the launch and synchronisation it is timed with
+    big = torch.ones((256 if gpu else 64) * 2**20, dtype=torch.float32, device=where)
     bandwidth = big.numel() * 4 / best(big.sum) / 1e9
-    largest = 8192 if where.type == "cuda" else 2048
+    largest = 8192 if gpu else 2048
     rates = {}
     for dtype in (torch.bfloat16, torch.float32):
         n = 256  # doubled while one product takes under a tenth of the budget, up to `largest`
+        warm = torch.ones(n, n, device=where, dtype=dtype)
+        warm @ warm  # the first product's one-off setup (a GPU's library handles) not timed
+        finish()
         while True:
             a = torch.randn(n, n, device=where).to(dtype)
             b = torch.randn(n, n, device=where).to(dtype)

@@ -21,11 +21,14 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import aiohttp
 from tqdm import tqdm
 
 from mci.errors import UserError
+
+if TYPE_CHECKING:  # imported where used: every `mci` command builds this module's flags
+    import aiohttp
 
 
 @dataclass
@@ -102,13 +105,14 @@ def _code_prompt(rng: random.Random, input_len: int, edit: bool) -> str:
 
 async def _sse_data(response: aiohttp.ClientResponse):
     """The `data:` payloads of a server-sent event stream, up to `[DONE]`, from the body's
-    pieces as they arrive (a piece may end anywhere in a line; CRLF line ends are taken)."""
+    pieces as they arrive (a piece may end anywhere in a line, or in a character; CRLF line
+    ends are taken; bytes that are not UTF-8 are replaced, as a text decoder would)."""
     pending = b""
     async for piece in response.content.iter_any():
         pending += piece
         *lines, pending = pending.split(b"\n")
         for raw in lines:
-            line = raw.decode().rstrip("\r")
+            line = raw.decode(errors="replace").rstrip("\r")
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
@@ -120,6 +124,8 @@ async def _sse_data(response: aiohttp.ClientResponse):
 async def _one(
     client: aiohttp.ClientSession, url: str, headers: dict, body: dict, t0: float
 ) -> RequestResult:
+    import aiohttp
+
     res = RequestResult(start=time.perf_counter() - t0)
     sent = time.perf_counter()
     last = None
@@ -164,6 +170,8 @@ async def run_benchmark(
     api_key: str | None,
     progress: bool = True,
 ) -> tuple[list, float]:
+    import aiohttp
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     session = aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=None),
@@ -212,6 +220,8 @@ SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 async def _spec_counters(client, base_url: str, headers: dict) -> dict[str, float] | None:
     """The server's speculative decoding counters (`mci:` or `vllm:spec_decode_*` on
     /metrics), or None where it exports none."""
+    import aiohttp
+
     try:
         async with client.get(base_url + "/metrics", headers=headers) as r:
             if r.status != 200:
@@ -356,6 +366,8 @@ def plot(results: list[RequestResult], duration: float, path: Path) -> None:
 
 
 def main(args) -> int:
+    import aiohttp
+
     if min(args.num_prompts, args.input_len, args.output_len, args.num_prefixes) < 1:
         raise UserError("--num-prompts, --input-len, --output-len, --num-prefixes must be >= 1")
     rate = float(args.request_rate)

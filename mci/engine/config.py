@@ -73,8 +73,10 @@ def check_device(name: str) -> None:
         raise UserError(
             f"--device {name!r} is not a torch device (cpu, cuda, cuda:1, ...)"
         ) from None
-    if device.type != "cuda":
+    if device.type == "cpu":
         return
+    if device.type != "cuda":
+        raise UserError(f"--device {name}: mci runs on cpu or cuda")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         raise UserError(f"--device {name}: torch {torch.__version__} sees no CUDA device")
