@@ -489,10 +489,10 @@ def bench_arg(wl: str, flag: str) -> int:
     return int(bench_args[bench_args.index(flag) + 1])
 
 
-def mci_device(args) -> str:
+def mci_device(mci_extra: str) -> str:
     """The device mci serves on in this run (its --device in --mci-extra; cpu without one):
     the floors are that device's."""
-    extra = shlex.split(args.mci_extra)
+    extra = shlex.split(mci_extra)
     for i, arg in enumerate(extra):
         if arg == "--device" and i + 1 < len(extra):
             return extra[i + 1]
@@ -535,7 +535,7 @@ def workload_floors(workloads: list[str], args) -> dict:
     out: dict = {"machine": None, "floors": {}}
     for ckpt, specs in shapes.items():
         cmd = shlex.split(args.bench_cmd.replace(" bench serve", " bench floors"))
-        cmd += ["--model-path", str(ckpt), "--json", "--device", mci_device(args)]
+        cmd += ["--model-path", str(ckpt), "--json", "--device", args.mci_device]
         cmd += [x for spec in specs for x in ("--shape", spec)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd="/", timeout=600)
         if proc.returncode:
@@ -763,6 +763,7 @@ def main() -> int:
         help="markdown file the table is appended to ('' for none)",
     )
     args = ap.parse_args()
+    args.mci_device = mci_device(args.mci_extra)
 
     base_mci = f"env PYTHONPATH={shlex.quote(args.mci_src)} {shlex.quote(args.mci_python)} -m mci"
     args.mci_cmd = args.mci_cmd or base_mci + " serve"
@@ -820,11 +821,11 @@ def main() -> int:
         "argv": shlex.join([sys.executable, *sys.argv]),
         "machine": f"{os.cpu_count()} CPUs, {os.uname().machine}, "
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
-        + gpu_names(mci_device(args)),
+        + gpu_names(args.mci_device),
         "engines": engines,
         "workloads": workloads,
         "rounds": args.rounds,
-        "mci_device": mci_device(args),
+        "mci_device": args.mci_device,
         "master_seed": seed,
         "seeds": seeds,
         "versions": peer_versions(engines, args),
