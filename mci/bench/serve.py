@@ -8,8 +8,9 @@ p50/p90/p99 of each latency, and goodput: requests per second meeting every give
 
 The client is aiohttp, as vLLM's and SGLang's serving benchmarks use: it runs on the machine
 beside the server it measures, so its own CPU is taken from the server. Measured on the
-2-core machine, 32 streams of 128 tokens: 0.15 s of client CPU a round against 0.38 s with
-httpx (this module's client before), and mci served 4-8% more tok/s beside it.
+2-core machine with the same request loop on each library, alternating against one mci
+server, 32 streams of 128 tokens: 0.15 s of client CPU a round against 0.38 s with httpx
+(this module's client before), and mci served 4-8% more tok/s beside it.
 """
 
 from __future__ import annotations
