@@ -258,6 +258,8 @@ void mci_fp8_rows_range(const uint16_t *x, long ldx, const Weight *wt, long k, S
         mci_gemm(x, ldx, k, y, m, n0, n1, &rows.base);
     } else {
         uint16_t *tile = malloc(sizeof(uint16_t) * TILE * k);
+        uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * mci_packed_size(m, k));
+        mci_pack(x, ldx, m, k, packed); /* once for every tile */
         for (long t0 = n0; t0 < n1; t0 += TILE) {
             const long t1 = t0 + TILE < n1 ? t0 + TILE : n1;
             widen_rows(w, k, wt->scale, nbk, wt->row_block, t0, t1, tables, &table_row, tile);
@@ -265,8 +267,9 @@ void mci_fp8_rows_range(const uint16_t *x, long ldx, const Weight *wt, long k, S
             Sink ys = y;
             if (ys.acc) ys.acc += t0;
             else ys.y += t0;
-            mci_rows_range(x, ldx, tile, k, ys, m, 0, t1 - t0);
+            mci_packed_rows_range(packed, tile, k, ys, m, 0, t1 - t0);
         }
+        free(packed);
         free(tile);
     }
     free(tables);

@@ -2,7 +2,7 @@
  *
  * Why: at decode sizes (1-64 rows) oneDNN's and MKL's bf16 matmuls run far below this
  * machine's memory bandwidth (a 512x512 weight read from cache: ~66 us, about 8 GB/s), and
- * a decode step is ~100 such calls. Here each weight row is streamed once per block of
+ * a decode step is ~100 such calls. Here each weight row is streamed once per pass of up to
  * TOKENS rows of x and multiplied with AVX512-BF16 dot products (vdpbf16ps), accumulating in
  * float32 and rounding once to bf16 (round to nearest even), as oneDNN does.
  *
@@ -14,67 +14,182 @@
  */
 #include "cpu_kernels.h"
 
-#define TOKENS 4 /* rows of x per pass over a weight block */
 #define FEATS 4  /* a thread's share of a weight's rows is whole blocks of FEATS rows */
 #ifndef PREFETCH
 #define PREFETCH 4 /* rows ahead */
 #endif
 
-/* Rows [n0, n1) of one weight for T rows of x (T <= TOKENS, a compile-time constant in each
- * caller so the accumulators stay in registers). k_full: K rounded down to 32; the tail is
- * read with a mask.
+#ifdef __AVX512F__
+#define TOKENS 8 /* rows of x per pass over a weight's rows */
+#define STACK_PACK 8192 /* elements of x's packed copy held on the stack, not the heap */
+/* Weight rows in a group for one row of x: 16 (all the accumulators) made the batch-1 LM
+ * head (8192 x 512) ~10% slower than rows reduced one by one; 4 is level with them. */
+#define ONE_ROW_GROUP 4
+#define BLOCK_BYTES (64 << 10) /* weight bytes a thread takes every pass over before the next */
+
+/* The accumulator of weight row r and row j of x in a group of R weight rows x T rows of x
+ * (T * R <= 16): the slot whose sum reduce16 puts in lane j * R + r, so that each row of x's R
+ * sums come out in consecutive lanes (lane 4q + p of reduce16 is slot 4p + q's sum). */
+#define SLOT(R, r, j) (4 * (((j) * (R) + (r)) % 4) + ((j) * (R) + (r)) / 4)
+
+/* Weight rows [n, n + R) for T rows of x, P weight rows side by side (T, R, P compile-time
+ * constants in each caller, T * R <= 16, so the 16 accumulators stay in registers). Each
+ * output's sum is the one this file has always computed: lane by lane over the chunks of k in
+ * order, then the lanes added in _mm512_reduce_add_ps's pairs (reduce16 adds the same pairs
+ * for 16 sums at once), rounded once to bf16 (rne16: round_bf16's bits).
  *
- * One weight row at a time, in address order: a block of rows read chunk by chunk
- * (interleaved, 1 KB apart for k = 512) defeats the hardware prefetchers. Measured on a
- * 2-core AMD EPYC (Zen 4), one row of x, weights cold from DRAM: 4 rows interleaved read
- * 512x512 at 15 GB/s and 8192x512 at 17, one row at a time 26 and 28 (a plain read of the
- * same bytes: 22-31); a batch-1 decode step of `small` went from 4.3 to 2.9 ms. The
- * out-of-order core overlaps consecutive rows' independent sums, which the block of rows gave
- * explicitly: from cache, it was as fast. */
-static inline __attribute__((always_inline)) void block_rows(
-    const uint16_t *x, long ldx, const uint16_t *w, long k, const Sink *y, const int T, long n0,
-    long n1) {
+ * P = 1, one weight row at a time in address order, for weights read from memory: rows read
+ * side by side, chunk by chunk (1 KB apart for k = 512), defeat the hardware prefetchers.
+ * Measured on a 2-core AMD EPYC (Zen 4), one row of x, weights cold from DRAM: 4 rows side by
+ * side read 512x512 at 15 GB/s and 8192x512 at 17, one row at a time 26 and 28 (a plain read:
+ * 22-31). P = 2 for weights in cache, where the loads are the limit: each chunk of x loaded
+ * once for two weight rows. Why groups: a row's sums reduced alone cost ~10 shuffles and
+ * adds, its result rounded and stored one scalar at a time, about as much as the row's dot
+ * products at k = 256-512 from cache; a group's 16 sums take 45 operations and one rounding.
+ * Measured (the 7 MoE layers' routed experts of a 32-request step of `small`, one expert hot
+ * in cache for all, so the arithmetic alone): 3.45 ms a step before, 3.25 in groups, 2.75 in
+ * groups with P = 2; from DRAM, P = 2 was 30% slower than P = 1. */
+static inline __attribute__((always_inline)) void group_rows(const uint16_t *xp, const uint16_t *w,
+                                                              long k, const Sink *y, const int T,
+                                                              const int R, const int P, long n) {
     const long k_full = k & ~31L;
     const __mmask32 tail = (__mmask32)((1ULL << (k - k_full)) - 1);
-    for (long n = n0; n < n1; n++) {
-        __m512 acc[TOKENS];
-        for (int j = 0; j < T; j++) acc[j] = _mm512_setzero_ps();
-        const uint16_t *wr = w + n * k;
-        for (long kk = 0; kk < k_full; kk += 32) {
-            _mm_prefetch((const char *)(wr + PREFETCH * k + kk), _MM_HINT_T0);
-            const __m512i wv = _mm512_loadu_si512(wr + kk);
-            for (int j = 0; j < T; j++)
-                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)wv,
-                                          (__m512bh)_mm512_loadu_si512(x + j * ldx + kk));
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r += P) {
+        const int rows = R - r < P ? R - r : P;
+        const uint16_t *xc = xp;
+        const uint16_t *w0 = w + (n + r) * k, *w1 = w0 + (rows > 1 ? k : 0);
+        for (long kk = 0; kk < k_full; kk += 32, xc += T * 32) {
+            _mm_prefetch((const char *)(w0 + PREFETCH * k + kk), _MM_HINT_T0);
+            const __m512bh wv0 = (__m512bh)_mm512_loadu_si512(w0 + kk);
+            __m512bh wv1 = wv0;
+            if (rows > 1) {
+                _mm_prefetch((const char *)(w1 + PREFETCH * k + kk), _MM_HINT_T0);
+                wv1 = (__m512bh)_mm512_loadu_si512(w1 + kk);
+            }
+#pragma GCC unroll 16
+            for (int j = 0; j < T; j++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xc + j * 32);
+                acc[SLOT(R, r, j)] = _mm512_dpbf16_ps(acc[SLOT(R, r, j)], wv0, xv);
+                if (rows > 1)
+                    acc[SLOT(R, r + 1, j)] = _mm512_dpbf16_ps(acc[SLOT(R, r + 1, j)], wv1, xv);
+            }
         }
-        if (tail) {
-            const __m512i wv = _mm512_maskz_loadu_epi16(tail, wr + k_full);
-            for (int j = 0; j < T; j++)
-                acc[j] = _mm512_dpbf16_ps(
-                    acc[j], (__m512bh)wv,
-                    (__m512bh)_mm512_maskz_loadu_epi16(tail, x + j * ldx + k_full));
+        if (tail) { /* x's copy is zero past k, as the masked load of x was */
+#pragma GCC unroll 2
+            for (int q = 0; q < rows; q++) {
+                const __m512i wv = _mm512_maskz_loadu_epi16(tail, w + (n + r + q) * k + k_full);
+#pragma GCC unroll 16
+                for (int j = 0; j < T; j++)
+                    acc[SLOT(R, r + q, j)] =
+                        _mm512_dpbf16_ps(acc[SLOT(R, r + q, j)], (__m512bh)wv,
+                                         (__m512bh)_mm512_loadu_si512(xc + j * 32));
+            }
         }
-        for (int j = 0; j < T; j++) store(y, j, n, _mm512_reduce_add_ps(acc[j]));
+    }
+    uint16_t sums[16];
+    _mm256_storeu_si256((__m256i *)sums, rne16(reduce16(acc)));
+#pragma GCC unroll 16
+    for (int j = 0; j < T; j++) {
+        if (y->acc) { /* store()'s weighted add, for R features of one row of x */
+            float *dst = y->acc + y->tok[j] * y->ldy + n;
+            const float wt = y->wt[j];
+            for (int r = 0; r < R; r++) dst[r] += bf16_to_float(sums[j * R + r]) * wt;
+        } else {
+            __builtin_memcpy(y->y + j * y->ldy + n, sums + j * R, R * sizeof(uint16_t));
+        }
     }
 }
 
-#ifdef __AVX512F__
-/* One weight's rows [n0, n1) for all m rows of x, TOKENS rows at a time. */
-void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
-                       long n0, long n1) {
-    for (long r = 0; r < m; r += TOKENS) {
-        const uint16_t *xr = x + r * ldx;
-        const Sink yr = sink_rows(y, r);
-        switch ((m - r) < TOKENS ? (int)(m - r) : TOKENS) {
-        case 1: block_rows(xr, ldx, w, k, &yr, 1, n0, n1); break;
-        case 2: block_rows(xr, ldx, w, k, &yr, 2, n0, n1); break;
-        case 3: block_rows(xr, ldx, w, k, &yr, 3, n0, n1); break;
-        default: block_rows(xr, ldx, w, k, &yr, 4, n0, n1); break;
+/* Rows [n0, n1) of one weight for T rows of x (packed by pack_rows): groups of 16 / T weight
+ * rows, then what is left one row at a time. */
+static inline __attribute__((always_inline)) void block_rows(const uint16_t *xp,
+                                                              const uint16_t *w, long k,
+                                                              const Sink *y, const int T,
+                                                              const int P, long n0, long n1) {
+    const int R = T == 1 ? ONE_ROW_GROUP : 16 / T;
+    long n = n0;
+    for (; n + R <= n1; n += R) group_rows(xp, w, k, y, T, R, P, n);
+    for (; n < n1; n++) group_rows(xp, w, k, y, T, 1, 1, n);
+}
+
+/* T rows of x (row stride ldx) into xp chunk-major: chunk c of row j at xp + (c * T + j) * 32,
+ * zero past k. Why: the kernel then reads every row of x through one pointer (T separate row
+ * pointers ran out of general registers at T = 8, and the compiler spilled to the stack
+ * inside the loop). */
+static void pack_rows(const uint16_t *x, long ldx, int T, long k, uint16_t *xp) {
+    for (long c = 0; c * 32 < k; c++) {
+        const __mmask32 m = k - c * 32 >= 32 ? ~(__mmask32)0 : (__mmask32)((1U << (k - c * 32)) - 1);
+        for (int j = 0; j < T; j++)
+            _mm512_store_si512(xp + (c * T + j) * 32,
+                               _mm512_maskz_loadu_epi16(m, x + j * ldx + c * 32));
+    }
+}
+
+#define PASS(T)                                                                                \
+    (cached ? block_rows(xp, w, k, &yr, T, 2, b0, b1) : block_rows(xp, w, k, &yr, T, 1, b0, b1))
+
+long mci_packed_size(long m, long k) {
+    return 32 * ((k + 31) / 32) * TOKENS * ((m + TOKENS - 1) / TOKENS);
+}
+
+void mci_pack(const uint16_t *x, long ldx, long m, long k, uint16_t *packed) {
+    const long pass = 32 * ((k + 31) / 32) * TOKENS;
+    for (long r = 0; r < m; r += TOKENS)
+        pack_rows(x + r * ldx, ldx, m - r < TOKENS ? (int)(m - r) : TOKENS, k,
+                  packed + r / TOKENS * pass);
+}
+
+/* A thread's rows go in blocks of about BLOCK_BYTES, every pass over one block before the
+ * next, so that a weight is read from memory once (the first pass, one row at a time) and its
+ * later passes find it in cache (two rows side by side); before, each pass read the thread's
+ * whole share, which for a large weight (the LM head's 4 MB a thread) came from L3 each time. */
+void mci_packed_rows_range(const uint16_t *packed, const uint16_t *w, long k, Sink y, long m,
+                           long n0, long n1) {
+    const long pass = 32 * ((k + 31) / 32) * TOKENS;
+    const long block = m <= TOKENS ? n1 - n0 : (BLOCK_BYTES / (k * 2) + 15) & ~15L;
+    for (long b0 = n0; b0 < n1; b0 += block) {
+        const long b1 = b0 + block < n1 ? b0 + block : n1;
+        for (long r = 0; r < m; r += TOKENS) {
+            const uint16_t *xp = packed + r / TOKENS * pass;
+            const Sink yr = sink_rows(y, r);
+            const int cached = r > 0;
+            switch ((m - r) < TOKENS ? (int)(m - r) : TOKENS) {
+            case 1: PASS(1); break;
+            case 2: PASS(2); break;
+            case 3: PASS(3); break;
+            case 4: PASS(4); break;
+            case 5: PASS(5); break;
+            case 6: PASS(6); break;
+            case 7: PASS(7); break;
+            default: PASS(8); break;
+            }
         }
     }
 }
+
+/* One weight's rows [n0, n1) for all m rows of x: x packed (on the stack where small; one row
+ * of whole chunks is its own packed copy), then mci_packed_rows_range. */
+void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
+                    long n0, long n1) {
+    if (n1 <= n0 || m <= 0) return;
+    if (m == 1 && k % 32 == 0) {
+        mci_packed_rows_range(x, w, k, y, m, n0, n1);
+        return;
+    }
+    const long size = mci_packed_size(m, k);
+    uint16_t stack[size > STACK_PACK ? 1 : size] __attribute__((aligned(64)));
+    uint16_t *packed = size > STACK_PACK ? aligned_alloc(64, sizeof(uint16_t) * size) : stack;
+    mci_pack(x, ldx, m, k, packed);
+    mci_packed_rows_range(packed, w, k, y, m, n0, n1);
+    if (packed != stack) free(packed);
+}
+#undef PASS
 
 #else /* AVX2 (cpu_avx2.h): the same sums, lane for lane, with 256-bit registers */
+#define TOKENS 4 /* rows of x per pass over a weight's rows */
 
 /* Accumulate one 32-element chunk of the weight row against T widened rows of x. */
 #define MCI_CHUNK(T, LOAD)                                                                     \
