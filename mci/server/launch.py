@@ -98,6 +98,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         info["num_slots"],
         "off" if engine_config.cache.disable_radix_cache else "on",
     )
+    # loop and http stay "auto": uvloop and httptools, which pyproject installs (the front end's
+    # CPU per streamed token is CPU the engine's threads lose on a small machine)
     uv = uvicorn.Config(
         build_app(state),
         host=server_config.host,
