@@ -62,17 +62,21 @@ def _lane_order_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return acc[..., 0].to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("k, n", [(512, 64), (100, 37), (33, 9), (512, 300), (256, 290)])
+@pytest.mark.parametrize(
+    "k, n", [(512, 64), (100, 37), (33, 9), (512, 1100), (256, 1050), (33000, 9)]
+)
 def test_linear_sums_in_the_documented_order(k, n):
     """Each output is the documented float32 sum rounded once, whatever order the weight rows
     are read in and on either build (AVX-512, AVX2): in one pass of rows of x or several (the
     AVX-512 build takes up to 8 at a time, and above 8 goes over a thread's weight rows in
-    blocks of 64 KB, two rows side by side after the first pass), in groups of weight rows or
-    one by one. Random sums seldom tell two summation orders apart after rounding to bf16; the
-    test below has one that does."""
+    blocks of 64 KB (16 rows where those are more: k = 33,000), two rows side by side after
+    the first pass, with 1-8 rows in the later passes), in groups of weight rows or one by
+    one; n = 1,100 and 1,050 give every thread several blocks at up to 8 threads. Random sums
+    seldom tell two summation orders apart after rounding to bf16; the test below has one
+    that does."""
     g = torch.Generator().manual_seed(7 * k + n)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33):
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 13, 14, 15, 16, 17, 21, 33):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         assert torch.equal(matvec.linear(x, w), _lane_order_sum(x, w))
 
@@ -113,6 +117,16 @@ def test_expert_combine_is_the_weighted_index_add_bit_for_bit():
     y = matvec.expert_linear(x, w, segments)
     expected = torch.zeros(3, 96).index_add_(0, tokens, y.float() * weights[:, None])
     out = matvec.expert_linear_combine(x, w, segments, tokens, weights, torch.zeros(3, 96))
+    assert torch.equal(out, expected)
+    # busier experts (13 and 6 rows: several passes over blocks of weight rows), wider ones
+    w = torch.randn(3, 700, 160, generator=g).to(torch.bfloat16)
+    x = torch.randn(19, 160, generator=g).to(torch.bfloat16)
+    segments = torch.tensor([[2, 0], [0, 13], [13, 6]])
+    tokens = torch.randint(0, 5, (19,), generator=g)
+    weights = torch.rand(19, generator=g) * 2.5
+    y = matvec.expert_linear(x, w, segments)
+    expected = torch.zeros(5, 700).index_add_(0, tokens, y.float() * weights[:, None])
+    out = matvec.expert_linear_combine(x, w, segments, tokens, weights, torch.zeros(5, 700))
     assert torch.equal(out, expected)
 
 

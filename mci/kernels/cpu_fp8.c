@@ -30,7 +30,7 @@
  * on CPUs without them (cpu_kernels.py uses this file only where the CPU has VBMI). */
 #pragma GCC target("avx512vbmi")
 
-#define TOKENS 4 /* rows of x per pass (as cpu_matvec.c) */
+#define TOKENS 4 /* rows of x per pass (cpu_matvec.c's bf16 kernel takes up to 8) */
 #define PREFETCH 4 /* weight rows ahead */
 #define TILE 16  /* weight rows widened per scratch tile */
 #ifndef REGISTER_ROWS
@@ -143,10 +143,10 @@ static inline __attribute__((always_inline)) void fp8_chunk(
 
 /* Row n of w (its scale row's tables: `tables`) for T rows of x, in registers. One weight row
  * at a time, so the weight is read in address order (why, and the bf16 figures: cpu_matvec.c's
- * block_rows; FP8 cold from DRAM on a Zen 4 EPYC, one row of x: 4 rows interleaved read
+ * group_rows, P = 1; FP8 cold from DRAM on a Zen 4 EPYC, one row of x: 4 rows interleaved read
  * 512x512 at 15 GB/s and 8192x512 at 19, one row at a time 24 and 30). The sums: one float32
  * accumulator per output, fed 32 columns per vdpbf16ps in column order, the tail masked, then
- * reduced: cpu_matvec.c's block_rows, term for term. */
+ * reduced: cpu_matvec.c's group_rows, term for term (its reduce16 adds the same pairs). */
 static inline __attribute__((always_inline)) void fp8_block(
     const uint16_t *x, long ldx, const uint8_t *w, long k, const uint8_t *tables,
     const Sink *y, const int T, long n, __m512i order) {

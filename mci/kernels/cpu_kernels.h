@@ -167,6 +167,7 @@ void mci_experts_into(const uint16_t *x, long ldx, const Weight *w, Sink y,
 void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
                     long n0, long n1);
 
+#ifdef __AVX512F__
 /* The AVX-512 build's skinny kernel over x already packed, for a caller that runs one x over
  * many weights or strips of one (cpu_fp8.c): mci_packed_size(m, k) elements (a multiple of 32)
  * of 64-byte aligned memory, filled by mci_pack, then mci_packed_rows_range as
@@ -175,6 +176,7 @@ long mci_packed_size(long m, long k);
 void mci_pack(const uint16_t *x, long ldx, long m, long k, uint16_t *packed);
 void mci_packed_rows_range(const uint16_t *packed, const uint16_t *w, long k, Sink y, long m,
                            long n0, long n1);
+#endif
 
 /* The share [n0, n1) of n output features that thread `id` of `count` takes. cpu_matvec.c. */
 void mci_share(long n, int id, int count, long *n0, long *n1);

@@ -25,7 +25,9 @@
 /* Weight rows in a group for one row of x: 16 (all the accumulators) made the batch-1 LM
  * head (8192 x 512) ~10% slower than rows reduced one by one; 4 is level with them. */
 #define ONE_ROW_GROUP 4
-#define BLOCK_BYTES (64 << 10) /* weight bytes a thread takes every pass over before the next */
+/* weight bytes a thread takes every pass over before the next: 64 KB, or 16 rows where
+ * those are more (k above 2,048) */
+#define BLOCK_BYTES (64 << 10)
 
 /* The accumulator of weight row r and row j of x in a group of R weight rows x T rows of x
  * (T * R <= 16): the slot whose sum reduce16 puts in lane j * R + r, so that each row of x's R
@@ -131,8 +133,9 @@ static void pack_rows(const uint16_t *x, long ldx, int T, long k, uint16_t *xp) 
 #define PASS(T)                                                                                \
     (cached ? block_rows(xp, w, k, &yr, T, 2, b0, b1) : block_rows(xp, w, k, &yr, T, 1, b0, b1))
 
-long mci_packed_size(long m, long k) {
-    return 32 * ((k + 31) / 32) * TOKENS * ((m + TOKENS - 1) / TOKENS);
+long mci_packed_size(long m, long k) { /* the last pass holds only its own rows */
+    const long pass = 32 * ((k + 31) / 32) * TOKENS;
+    return m <= 0 ? 0 : (m - 1) / TOKENS * pass + 32 * ((k + 31) / 32) * ((m - 1) % TOKENS + 1);
 }
 
 void mci_pack(const uint16_t *x, long ldx, long m, long k, uint16_t *packed) {
@@ -149,7 +152,8 @@ void mci_pack(const uint16_t *x, long ldx, long m, long k, uint16_t *packed) {
 void mci_packed_rows_range(const uint16_t *packed, const uint16_t *w, long k, Sink y, long m,
                            long n0, long n1) {
     const long pass = 32 * ((k + 31) / 32) * TOKENS;
-    const long block = m <= TOKENS ? n1 - n0 : (BLOCK_BYTES / (k * 2) + 15) & ~15L;
+    const long fit = BLOCK_BYTES / (k > 0 ? 2 * k : 2); /* weight rows */
+    const long block = m <= TOKENS ? n1 - n0 : fit < 16 ? 16 : (fit + 15) & ~15L;
     for (long b0 = n0; b0 < n1; b0 += block) {
         const long b1 = b0 + block < n1 ? b0 + block : n1;
         for (long r = 0; r < m; r += TOKENS) {
@@ -180,7 +184,7 @@ void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink
         return;
     }
     const long size = mci_packed_size(m, k);
-    uint16_t stack[size > STACK_PACK ? 1 : size] __attribute__((aligned(64)));
+    uint16_t stack[size > STACK_PACK || size == 0 ? 1 : size] __attribute__((aligned(64)));
     uint16_t *packed = size > STACK_PACK ? aligned_alloc(64, sizeof(uint16_t) * size) : stack;
     mci_pack(x, ldx, m, k, packed);
     mci_packed_rows_range(packed, w, k, y, m, n0, n1);
@@ -211,7 +215,7 @@ void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink
  * 16-lane accumulator, so each output's sum is the AVX-512 kernel's. A row's last chunk (k
  * not a multiple of 32) is read through a zero-padded copy.
  *
- * One weight row at a time, in address order, as block_rows above (why: there). This build on
+ * One weight row at a time, in address order, as group_rows above with P = 1 (why: there). This build on
  * the same Zen 4 EPYC: cold 512x512 15 -> 26 GB/s, 8192x512 17 -> 31; a batch-1 step of
  * `small` 5.0 -> 3.3 ms. */
 static inline __attribute__((always_inline)) void row_avx2(const float *xw, long chunks,
