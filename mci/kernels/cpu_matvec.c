@@ -22,9 +22,6 @@
 #ifdef __AVX512F__
 #define TOKENS 8 /* rows of x per pass over a weight's rows */
 #define STACK_PACK 8192 /* elements of x's packed copy held on the stack, not the heap */
-/* Weight rows in a group for one row of x: 16 (all the accumulators) made the batch-1 LM
- * head (8192 x 512) ~10% slower than rows reduced one by one; 4 is level with them. */
-#define ONE_ROW_GROUP 4
 /* weight bytes a thread takes every pass over before the next: 64 KB, or 16 rows where
  * those are more (k above 2,048) */
 #define BLOCK_BYTES (64 << 10)
@@ -105,13 +102,38 @@ static inline __attribute__((always_inline)) void group_rows(const uint16_t *xp,
     }
 }
 
+/* Weight row n for one row of x: its sum alone, reduced by _mm512_reduce_add_ps and
+ * stored as a scalar. Why not in a group: with one accumulator a row, a group of 4 rows
+ * reduces 16 vectors (12 of them zero) for 4 sums, and the batch-1 LM head (8,192 x 512, one
+ * call, weights cold) took 190 -> 220 us in groups of 4, 223 -> 249 in groups of 16. */
+static inline __attribute__((always_inline)) void one_row(const uint16_t *xp, const uint16_t *w,
+                                                           long k, const Sink *y, long n) {
+    const long k_full = k & ~31L;
+    const __mmask32 tail = (__mmask32)((1ULL << (k - k_full)) - 1);
+    const uint16_t *wr = w + n * k;
+    __m512 acc = _mm512_setzero_ps();
+    for (long kk = 0; kk < k_full; kk += 32) {
+        _mm_prefetch((const char *)(wr + PREFETCH * k + kk), _MM_HINT_T0);
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wr + kk),
+                               (__m512bh)_mm512_loadu_si512(xp + kk));
+    }
+    if (tail) /* x's copy is zero past k */
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + k_full),
+                               (__m512bh)_mm512_loadu_si512(xp + k_full));
+    store(y, 0, n, _mm512_reduce_add_ps(acc));
+}
+
 /* Rows [n0, n1) of one weight for T rows of x (packed by pack_rows): groups of 16 / T weight
  * rows, then what is left one row at a time. */
 static inline __attribute__((always_inline)) void block_rows(const uint16_t *xp,
                                                               const uint16_t *w, long k,
                                                               const Sink *y, const int T,
                                                               const int P, long n0, long n1) {
-    const int R = T == 1 ? ONE_ROW_GROUP : 16 / T;
+    if (T == 1) { /* one row of x: each weight row reduced on its own (see one_row) */
+        for (long n = n0; n < n1; n++) one_row(xp, w, k, y, n);
+        return;
+    }
+    const int R = 16 / T;
     long n = n0;
     for (; n + R <= n1; n += R) group_rows(xp, w, k, y, T, R, P, n);
     for (; n < n1; n++) group_rows(xp, w, k, y, T, 1, 1, n);
