@@ -8,6 +8,7 @@ import ctypes
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import stepwise_logits
 
 from mci.kernels import build, cpu_kernels
@@ -256,9 +257,34 @@ def test_prefill_attention_is_a_float32_softmax_rounded_once(
     assert (chunked.double() - ref).abs().max() < 0.02
     assert torch.equal(chunked_lse, lse)  # the kernel's rows: the same bits
     monkeypatch.undo()
+    # read in place through any strides (the transposed views the model passes), or copied
+    # where a row's pairs would not be 4-byte aligned: the same bits
+    q_t = qs.transpose(1, 2).contiguous().transpose(1, 2)
+    k_t = ks.transpose(1, 2).contiguous().transpose(1, 2)
+    odd = torch.cat((torch.zeros(1, dtype=torch.bfloat16), ks.reshape(-1)))[1:].view(ks.shape)
+    for q_in, k_in in ((q_t, k_t), (qs, odd)):
+        strided, strided_lse = matvec.prefill_attention(q_in, k_in, vs, limits, scale)
+        assert torch.equal(strided, out) and torch.equal(strided_lse, lse)
     rows = slice(1, 3)  # the same rows alone: the same bits
     alone, _ = matvec.prefill_attention(qs[:, :, rows], ks, vs, limits[:, rows].contiguous(), scale)
     assert torch.equal(alone, out[:, :, rows])
+
+
+@pytest.mark.parametrize("length", [16, 37])
+def test_pack_keys_is_the_pair_interleaved_block_layout(length):
+    """mci_pack_keys writes keys [B, H, L, d] (a transposed view, read in place) as
+    [B*H, ceil(L/16), d/2, 16, 2] with zero keys past L: torch's permutation of the same
+    tensor, bit for bit."""
+    b, h, d = 2, 3, 12
+    g = torch.Generator().manual_seed(length)
+    keys = torch.randn(b, length, h, d, generator=g).to(torch.bfloat16).transpose(1, 2)
+    blocks = -(-length // 16)
+    want = F.pad(keys, (0, 0, 0, blocks * 16 - length)).reshape(b * h, blocks, 16, d // 2, 2)
+    want = want.transpose(2, 3).contiguous()
+    got = torch.full_like(want, float("nan"))
+    status = matvec._pack_keys(keys.data_ptr(), *keys.stride()[:3], b, h, length, d, got.data_ptr())
+    assert status == 0
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.skipif(

@@ -104,6 +104,16 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) {
 }
 #endif
 
+/* n float32 -> bf16, round_bf16's bits (16 at a time where the build has rne16) */
+static inline void round_row(const float *src, uint16_t *dst, long n) {
+    long i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), rne16(_mm512_loadu_ps(src + i)));
+#endif
+    for (; i < n; i++) dst[i] = round_bf16(src[i]);
+}
+
 static inline __m512 exp512(__m512 x) {
     /* e^x = 2^n * e^r, r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial for e^r
      * (relative error ~2e-7, float32 rounding level); x below -87.3 gives 0. */
@@ -184,6 +194,10 @@ void mci_share(long n, int id, int count, long *n0, long *n1);
 /* RMSNorm rows of float32 or bf16 x into float32 or bf16 y. cpu_matvec.c. */
 void mci_rms_norm(const void *x, long ldx, int x_bf16, const uint16_t *w, void *y, int y_bf16,
                   long rows, long n, float eps);
+/* One row of it, with no parallel region of its own (for callers inside one, or writing a row
+ * at a time: an `if (0)` region per row still costs a runtime call). */
+void mci_rms_norm_row(const void *x, int x_bf16, const uint16_t *w, void *y, int y_bf16, long n,
+                      float eps);
 
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ w [n, k]^T; bf16 x and y, w bf16
  * or FP8. cpu_matvec.c. */

@@ -83,6 +83,15 @@ def load() -> CpuKernels | None:
         return None
 
 
+def _pairs_aligned(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] bf16 as the prefill attention kernels read it in place: each row's element
+    pairs 4-byte aligned (unit element stride, even strides and offset); else a contiguous
+    copy."""
+    if x.stride(-1) == 1 and x.data_ptr() % 4 == 0 and not any(s % 2 for s in x.stride()[:-1]):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
+
+
 class _Weight(ctypes.Structure):
     """cpu_kernels.h's Weight."""
 
@@ -233,9 +242,12 @@ class CpuKernels:
                               long, ptr, ctypes.c_float, ptr, ptr]  # fmt: skip
         self._mla.restype = ctypes.c_int
         self._probs = lib.mci_bf16_prefill_attention_probs
-        self._probs.argtypes = [ptr, ptr, ptr, long, long, long, long, long, long, long,
-                                ctypes.c_float, ptr, ptr]  # fmt: skip
+        self._probs.argtypes = [ptr, long, long, long, ptr, ptr, long, long, long, long, long,
+                                long, long, ctypes.c_float, ptr, ptr]  # fmt: skip
         self._probs.restype = ctypes.c_int
+        self._pack_keys = lib.mci_pack_keys
+        self._pack_keys.argtypes = [ptr, long, long, long, long, long, long, long, ptr]
+        self._pack_keys.restype = ctypes.c_int
 
     def prefill_attention(
         self,
@@ -255,11 +267,12 @@ class CpuKernels:
         length, dv = k.shape[2], v.shape[3]
         blocks = -(-length // 16)
         pad = blocks * 16 - length
+        q, k = _pairs_aligned(q), _pairs_aligned(k)  # read in place, through their strides
         # keys pair-interleaved in blocks of 16, as vdpbf16ps takes them: [G, Lb, d/2, 16, 2]
-        kp = F.pad(k, (0, 0, 0, pad)).reshape(b * h, blocks, 16, d // 2, 2)
-        kp = kp.transpose(2, 3).contiguous()
+        kp = torch.empty(b * h, blocks, d // 2, 16, 2, dtype=torch.bfloat16)
+        if self._pack_keys(k.data_ptr(), *k.stride()[:3], b, h, length, d, kp.data_ptr()):
+            raise ValueError(f"prefill_attention: head dim {d} is odd")
         values = F.pad(v, (0, 0, 0, pad)).reshape(b * h, blocks * 16, dv)
-        q = q.reshape(b * h, nq, d)
         out = torch.empty(b * h, nq, dv, dtype=torch.bfloat16)
         lse = torch.empty(b * h, nq, dtype=torch.float32)
         # P is materialised a chunk of query rows at a time (at most PREFILL_PROBS_BYTES), each
@@ -269,17 +282,18 @@ class CpuKernels:
             rows = slice(start, min(nq, start + step))
             lim = limits[:, rows].contiguous()
             width = -(-int(lim.max()) // 16) * 16  # P's columns: every key these rows see
-            part = q[:, rows].contiguous()
-            probs = torch.empty(b * h, part.shape[1], width, dtype=torch.bfloat16)
-            part_lse = torch.empty(b * h, part.shape[1], dtype=torch.float32)
+            part = q[:, :, rows]  # [B, H, rows, d], read in place
+            probs = torch.empty(b * h, part.shape[2], width, dtype=torch.bfloat16)
+            part_lse = torch.empty(b * h, part.shape[2], dtype=torch.float32)
             status = self._probs(
                 part.data_ptr(),
+                *part.stride()[:3],
                 kp.data_ptr(),
                 lim.data_ptr(),
-                part.shape[1] if lim.shape[0] > 1 else 0,
+                part.shape[2] if lim.shape[0] > 1 else 0,
                 b * h,
                 h,
-                part.shape[1],
+                part.shape[2],
                 d,
                 blocks,
                 width,

@@ -372,31 +372,38 @@ static inline __m512 load16(const void *p, int bf16, __mmask16 m) {
     return _mm512_maskz_loadu_ps(m, p);
 }
 
+void mci_rms_norm_row(const void *x, int x_bf16, const uint16_t *w, void *y, int y_bf16, long n,
+                      float eps) {
+    __m512 ss = _mm512_setzero_ps();
+    for (long j = 0; j < n; j += 16) {
+        const __mmask16 m = (n - j) >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 v = load16((const char *)x + j * (x_bf16 ? 2 : 4), x_bf16, m);
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps);
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (long j = 0; j < n; j += 16) {
+        const __mmask16 m = (n - j) >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 v = load16((const char *)x + j * (x_bf16 ? 2 : 4), x_bf16, m);
+        const __m512 out = _mm512_mul_ps(_mm512_mul_ps(v, vs), load16(w + j, 1, m));
+        if (y_bf16) {
+#ifdef __AVX512F__
+            _mm256_mask_storeu_epi16((uint16_t *)y + j, m, rne16(out));
+#else
+            float tmp[16];
+            _mm512_storeu_ps(tmp, out);
+            for (int i = 0; i < 16 && j + i < n; i++) ((uint16_t *)y)[j + i] = round_bf16(tmp[i]);
+#endif
+        } else {
+            _mm512_mask_storeu_ps((float *)y + j, m, out);
+        }
+    }
+}
+
 void mci_rms_norm(const void *x, long ldx, int x_bf16, const uint16_t *w, void *y, int y_bf16,
                   long rows, long n, float eps) {
 #pragma omp parallel for schedule(static) if (rows >= 32)
-    for (long r = 0; r < rows; r++) {
-        const char *xr = (const char *)x + r * ldx * (x_bf16 ? 2 : 4);
-        __m512 ss = _mm512_setzero_ps();
-        for (long j = 0; j < n; j += 16) {
-            const __mmask16 m = (n - j) >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-            const __m512 v = load16(xr + j * (x_bf16 ? 2 : 4), x_bf16, m);
-            ss = _mm512_fmadd_ps(v, v, ss);
-        }
-        const float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps);
-        const __m512 vs = _mm512_set1_ps(scale);
-        for (long j = 0; j < n; j += 16) {
-            const __mmask16 m = (n - j) >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-            const __m512 v = load16(xr + j * (x_bf16 ? 2 : 4), x_bf16, m);
-            const __m512 out = _mm512_mul_ps(_mm512_mul_ps(v, vs), load16(w + j, 1, m));
-            if (y_bf16) {
-                float tmp[16];
-                _mm512_storeu_ps(tmp, out);
-                uint16_t *yr = (uint16_t *)y + r * n + j;
-                for (int i = 0; i < 16 && j + i < n; i++) yr[i] = round_bf16(tmp[i]);
-            } else {
-                _mm512_mask_storeu_ps((float *)y + r * n + j, m, out);
-            }
-        }
-    }
+    for (long r = 0; r < rows; r++)
+        mci_rms_norm_row((const char *)x + r * ldx * (x_bf16 ? 2 : 4), x_bf16, w,
+                         (char *)y + r * n * (y_bf16 ? 2 : 4), y_bf16, n, eps);
 }

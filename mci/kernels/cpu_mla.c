@@ -353,7 +353,7 @@ void mci_write_latent_rows(const uint16_t *latent, long ld, const uint16_t *w, f
 #pragma omp parallel for schedule(static) if (tokens >= 64)
     for (long t = 0; t < tokens; t++) {
         uint16_t *row = cache + slots[t] * d;
-        mci_rms_norm(latent + t * ld, ld, 1, w, row, 1, 1, c, eps);
+        mci_rms_norm_row(latent + t * ld, 1, w, row, 1, c, eps);
         rope_row(latent + t * ld + c, cos + t * (r / 2), sin + t * (r / 2), r, interleave, row + c);
     }
 }

@@ -170,9 +170,7 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
      * once, and the copies split over the threads) */
 #pragma omp parallel for schedule(static) if (a_count * hidden >= 65536)
     for (long row = 0; row < a_count; row++) {
-        const float *src = x + tokens[row] * hidden;
-        uint16_t *dst = xs + row * hidden;
-        for (long i = 0; i < hidden; i++) dst[i] = round_bf16(src[i]);
+        round_row(x + tokens[row] * hidden, xs + row * hidden, hidden);
     }
     const Sink rows = {gu, 2 * inter, 0, 0, 0};
     const Sink combine = {0, hidden, out, tokens, sorted_weights};
@@ -192,7 +190,7 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
     }
     if (w_s_gate_up) { /* out + shared: float32 + bf16, as MoE.forward adds them */
         uint16_t *xb = malloc(sizeof(uint16_t) * 2 * t * hidden), *shared = xb + t * hidden;
-        for (long i = 0; i < t * hidden; i++) xb[i] = round_bf16(x[i]);
+        round_row(x, xb, t * hidden);
         mci_gated_mlp(xb, hidden, w_s_gate_up, w_s_down, t, hidden, s_inter, shared);
         for (long i = 0; i < t * hidden; i++) out[i] += bf16_to_float(shared[i]);
         free(xb);
