@@ -350,7 +350,7 @@ void mci_write_latent_rows(const uint16_t *latent, long ld, const uint16_t *w, f
                            const float *cos, const float *sin, int interleave,
                            uint16_t *cache, const int64_t *slots, long tokens, long c, long r) {
     const long d = c + r;
-#pragma omp parallel for schedule(static) if (tokens >= 64)
+#pragma omp parallel for schedule(static) if (tokens * d >= PARALLEL_ELEMENTS)
     for (long t = 0; t < tokens; t++) {
         uint16_t *row = cache + slots[t] * d;
         mci_rms_norm_row(latent + t * ld, 1, w, row, 1, c, eps);
@@ -414,6 +414,7 @@ int mci_mla_decode(const float *x, long t, long hidden, const uint16_t *norm_w,
     uint16_t *q_full = next, *att = q_full + t * heads * d, *o_in = att + t * heads * c;
     uint16_t *o = o_in + t * heads * v;
     per_head(q, ldq, qk, w_uk_t, heads, nope, c, q_full, heads * d, d, t);
+#pragma omp parallel for schedule(static) if (t * heads * r >= PARALLEL_ELEMENTS)
     for (long i = 0; i < t; i++)
         for (long h = 0; h < heads; h++)
             rope_row(q + i * ldq + h * qk + nope, cos + i * (r / 2), sin + i * (r / 2), r,
@@ -422,7 +423,9 @@ int mci_mla_decode(const float *x, long t, long hidden, const uint16_t *norm_w,
                                      scale, att);
     per_head(att, heads * c, c, w_uv, heads, c, v, o_in, heads * v, v, t);
     mci_linear(o_in, heads * v, w_o, o, hidden, t, hidden, heads * v);
-    for (long i = 0; i < t * hidden; i++) out[i] = x[i] + bf16_to_float(o[i]);
+#pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)
+    for (long i = 0; i < t; i++)
+        for (long j = i * hidden; j < (i + 1) * hidden; j++) out[j] = x[j] + bf16_to_float(o[j]);
     free(xn);
     return 0;
 }

@@ -23,12 +23,6 @@
 
 #include "cpu_kernels.h"
 
-/* Elementwise work (silu, the copies of x, the shared experts' sum) and routing split over the
- * threads from this many elements (a token's routing counts as its experts' scores): 32
- * decoding tokens of `small` (inter 256, hidden 512, 32 experts) split, one stays on a thread.
- * Measured at 32 tokens, a 2-core Zen 4 EPYC: a layer's work outside the matmuls 123 -> ~70 us. */
-#define PARALLEL_ELEMENTS 8192
-
 /* act [rows, inter] = silu(gu[:, :inter]) * gu[:, inter:], both steps rounded to bf16 as
  * torch's bf16 ops do; gu [rows, 2 * inter] contiguous. */
 static void silu_mul(const uint16_t *gu, long rows, long inter, uint16_t *act) {
