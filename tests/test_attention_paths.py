@@ -103,6 +103,30 @@ def test_metadata_rejects_bad_chunks():
         AttentionMetadata.build([SequenceChunk(torch.arange(3), 0)])
 
 
+@pytest.mark.parametrize("key_multiple", [1, 16])
+def test_decode_step_metadata_is_each_sequences_last_position(key_multiple):
+    """A step of single-token decodes (its positions and write slots read off the decode group)
+    says what the general layout says: each sequence's new token at position L - 1 of its
+    context, written to its last slot, its keys the sequence's slots padded with slot 0."""
+    g = torch.Generator().manual_seed(key_multiple)
+    lengths = [int(n) for n in torch.randint(1, 70, (9,), generator=g)]
+    slots = torch.randperm(1000, generator=g)
+    chunks, start = [], 0
+    for length in lengths:
+        chunks.append(SequenceChunk(slots[start : start + length], 1))
+        start += length
+    meta = AttentionMetadata.build(chunks, layout=AttentionLayout(key_multiple=key_multiple))
+    (group,) = meta.groups
+    assert meta.positions.tolist() == [n - 1 for n in lengths]
+    assert meta.write_slots.tolist() == [int(c.kv_slots[-1]) for c in chunks]
+    assert meta.positions.dtype == meta.write_slots.dtype == torch.long
+    width = -(-max(lengths) // key_multiple) * key_multiple
+    assert group.kv_slots.shape == (len(chunks), width) and group.lengths.tolist() == lengths
+    for row, chunk in zip(group.kv_slots, chunks, strict=True):
+        assert torch.equal(row[: len(chunk.kv_slots)], chunk.kv_slots)
+        assert not row[len(chunk.kv_slots) :].any()
+
+
 def test_ragged_groups_interleaved_decodes_equal_each_alone(model):
     """Decodes of different context lengths on both sides of a prefill chunk (the decode group's
     rows are not contiguous) and two prefill chunks: each sequence gets its solo logits."""

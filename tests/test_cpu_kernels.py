@@ -190,16 +190,18 @@ def test_rms_norm_kernel_takes_the_eager_steps(x_dtype, out_dtype):
             assert (fused == eager).float().mean() > 0.95
 
 
+@pytest.mark.parametrize("t", [5, 60])
 @pytest.mark.parametrize("interleave", [True, False])
-def test_rope_and_latent_rows_are_the_eager_values(interleave):
+def test_rope_and_latent_rows_are_the_eager_values(interleave, t):
     """q's rotation and the rotated k_rope written to the cache equal mci/layers' eager
     computations exactly; the normalised c_kv beside it is within one bf16 step (the sum of
-    squares is added in another order) and nearly always equal."""
+    squares is added in another order) and nearly always equal (60 rows: split over the
+    threads)."""
     from mci.layers.norm import RMSNorm
     from mci.layers.rotary import apply_rope
 
     g = torch.Generator().manual_seed(6)
-    t, heads, nope, r, c = 5, 8, 64, 32, 128
+    heads, nope, r, c = 8, 64, 32, 128
     q = torch.randn(t, heads, nope + r, generator=g).to(torch.bfloat16)
     q_rope = q[..., nope:]  # strided, as the model's split leaves it
     angles = torch.rand(t, r // 2, generator=g) * 6
@@ -213,14 +215,14 @@ def test_rope_and_latent_rows_are_the_eager_values(interleave):
     norm.weight.data = torch.randn(c, generator=g).to(torch.bfloat16)
     k_rope = apply_rope(latent[:, c:], cos, sin, interleave)
     rows = torch.cat((norm(latent[:, :c], torch.float32), k_rope), dim=-1).to(torch.bfloat16)
-    slots = torch.tensor([7, 2, 9, 0, 4])
-    cache = torch.zeros(10, c + r, dtype=torch.bfloat16)
+    slots = torch.randperm(2 * t, generator=g)[:t]
+    cache = torch.zeros(2 * t, c + r, dtype=torch.bfloat16)
     matvec.write_latent_rows(latent, norm.weight, norm.eps, cos, sin, interleave, cache, slots)
     written = cache[slots]
     assert torch.equal(written[:, c:], rows[:, c:])
     assert torch.allclose(written[:, :c].float(), rows[:, :c].float(), rtol=2.0**-7, atol=0)
     assert (written[:, :c] == rows[:, :c]).float().mean() > 0.95
-    untouched = torch.ones(10, dtype=torch.bool)
+    untouched = torch.ones(2 * t, dtype=torch.bool)
     untouched[slots] = False
     assert not cache[untouched].any()
 
@@ -262,6 +264,7 @@ def test_prefill_attention_is_a_float32_softmax_rounded_once(
     q_t = qs.transpose(1, 2).contiguous().transpose(1, 2)
     k_t = ks.transpose(1, 2).contiguous().transpose(1, 2)
     odd = torch.cat((torch.zeros(1, dtype=torch.bfloat16), ks.reshape(-1)))[1:].view(ks.shape)
+    assert cpu_kernels._pairs_aligned(q_t) is q_t and cpu_kernels._pairs_aligned(k_t) is k_t
     for q_in, k_in in ((q_t, k_t), (qs, odd)):
         strided, strided_lse = matvec.prefill_attention(q_in, k_in, vs, limits, scale)
         assert torch.equal(strided, out) and torch.equal(strided_lse, lse)
@@ -270,14 +273,17 @@ def test_prefill_attention_is_a_float32_softmax_rounded_once(
     assert torch.equal(alone, out[:, :, rows])
 
 
-@pytest.mark.parametrize("length", [16, 37])
-def test_pack_keys_is_the_pair_interleaved_block_layout(length):
-    """mci_pack_keys writes keys [B, H, L, d] (a transposed view, read in place) as
-    [B*H, ceil(L/16), d/2, 16, 2] with zero keys past L: torch's permutation of the same
-    tensor, bit for bit."""
-    b, h, d = 2, 3, 12
+@pytest.mark.parametrize("length", [16, 37, 130])
+@pytest.mark.parametrize("expanded", [False, True])
+def test_pack_keys_is_the_pair_interleaved_block_layout(length, expanded):
+    """mci_pack_keys writes keys [B, H, L, d] (a transposed view read in place, or one head
+    expanded over all: stride 0) as [B*H, ceil(L/16), d/2, 16, 2] with zero keys past L:
+    torch's permutation of the same tensor, bit for bit (130 keys: split over the threads)."""
+    b, h, d = 2, 8, 96
     g = torch.Generator().manual_seed(length)
     keys = torch.randn(b, length, h, d, generator=g).to(torch.bfloat16).transpose(1, 2)
+    if expanded:
+        keys = keys[:, :1].expand(b, h, length, d)
     blocks = -(-length // 16)
     want = F.pad(keys, (0, 0, 0, blocks * 16 - length)).reshape(b * h, blocks, 16, d // 2, 2)
     want = want.transpose(2, 3).contiguous()

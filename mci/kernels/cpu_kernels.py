@@ -271,7 +271,7 @@ class CpuKernels:
         # keys pair-interleaved in blocks of 16, as vdpbf16ps takes them: [G, Lb, d/2, 16, 2]
         kp = torch.empty(b * h, blocks, d // 2, 16, 2, dtype=torch.bfloat16)
         if self._pack_keys(k.data_ptr(), *k.stride()[:3], b, h, length, d, kp.data_ptr()):
-            raise ValueError(f"prefill_attention: head dim {d} is odd")
+            raise ValueError(f"prefill_attention: keys of head dim {d} not taken (odd?)")
         values = F.pad(v, (0, 0, 0, pad)).reshape(b * h, blocks * 16, dv)
         out = torch.empty(b * h, nq, dv, dtype=torch.bfloat16)
         lse = torch.empty(b * h, nq, dtype=torch.float32)
@@ -302,7 +302,7 @@ class CpuKernels:
                 part_lse.data_ptr(),
             )
             if status != 0:
-                raise ValueError(f"prefill_attention: head dim {d} is odd")
+                raise ValueError(f"prefill_attention: status {status} (head dim {d} odd?)")
             if self.isa == "avx2":  # no bf16 matmul instructions: exact float32 products
                 out[:, rows] = torch.bmm(probs.float(), values[:, :width].float())
             else:  # P: 0 past each row's keys

@@ -200,7 +200,9 @@ void mci_packed_rows_range(const uint16_t *packed, const uint16_t *w, long k, Si
     const long pass = 32 * ((k + 31) / 32) * TOKENS;
     const long fit = BLOCK_BYTES / (k > 0 ? 2 * k : 2); /* weight rows */
     const long block = m <= TOKENS ? n1 - n0 : fit < 16 ? 16 : (fit + 15) & ~15L;
-    const int later = (int)((m - 1) / TOKENS); /* passes after the first */
+    /* the later passes that prefetch: those of 2 or more rows of x (a last pass of one row
+     * goes through one_row, which reads its rows alone) */
+    const int later = (int)((m - 1) / TOKENS) - (m > TOKENS && (m - 1) % TOKENS == 0);
     for (long b0 = n0; b0 < n1; b0 += block) {
         const long b1 = b0 + block < n1 ? b0 + block : n1;
         for (long r = 0; r < m; r += TOKENS) {

@@ -87,12 +87,15 @@ static void softmax_row(float *s, long limit, long lp, uint16_t *p, float *lse) 
     }
 }
 
-/* Returns 0, or -1 for shapes it does not take (odd d, Lp not a multiple of 16). */
+/* Returns 0, or -1 for what it does not take: odd d or q strides, q or kp not 4-byte aligned
+ * (a pair is read as one dword), Lp not a multiple of 16 or above 16 Lb. */
 int mci_bf16_prefill_attention_probs(const uint16_t *q, long ld_qb, long ld_qh, long ld_qr,
                                      const uint16_t *kp, const int64_t *limits, long ld_limits,
                                      long groups, long heads, long nq, long d, long lb, long lp,
                                      float scale, uint16_t *p, float *lse) {
-    if (d % 2 || lp % 16 || lp > lb * 16 || (ld_qb | ld_qh | ld_qr) % 2) return -1;
+    if (d % 2 || lp % 16 || lp > lb * 16 || (ld_qb | ld_qh | ld_qr) % 2 ||
+        ((uintptr_t)q | (uintptr_t)kp) % 4)
+        return -1;
     const long blocks = (nq + ROWS - 1) / ROWS;
 #pragma omp parallel
     {
@@ -120,13 +123,15 @@ int mci_bf16_prefill_attention_probs(const uint16_t *q, long ld_qb, long ld_qh, 
     return 0;
 }
 
-/* Keys k [B, H, L, d] (unit element stride, even strides ld_b, ld_h, ld_l elements) -> kp
+/* Keys k [B, H, L, d] (unit element stride, even strides ld_b, ld_h, ld_l elements; a stride
+ * of 0 repeats, as torch's expand does) -> kp (4-byte aligned; -1 where it is not, or d or a
+ * stride is odd)
  * [B * H, Lb, d/2, 16, 2], the layout above, keys past L zero. One pass: torch's copy of the
  * same permutation (its innermost run two elements long) took ~2.7 ms for `small`'s 4,096-token
  * prefill chunk of one layer on a 2-core Zen 4 EPYC. */
 int mci_pack_keys(const uint16_t *k, long ld_b, long ld_h, long ld_l, long batch, long heads,
                   long length, long d, uint16_t *kp) {
-    if (d % 2 || (ld_b | ld_h | ld_l) % 2) return -1;
+    if (d % 2 || (ld_b | ld_h | ld_l) % 2 || (uintptr_t)kp % 4) return -1;
     const long pairs = d / 2, lb = (length + 15) / 16;
 #pragma omp parallel for schedule(static) if (batch * heads * lb * pairs >= 4096)
     for (long item = 0; item < batch * heads * lb; item++) {
