@@ -424,8 +424,7 @@ int mci_mla_decode(const float *x, long t, long hidden, const uint16_t *norm_w,
     per_head(att, heads * c, c, w_uv, heads, c, v, o_in, heads * v, v, t);
     mci_linear(o_in, heads * v, w_o, o, hidden, t, hidden, heads * v);
 #pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)
-    for (long i = 0; i < t; i++)
-        for (long j = i * hidden; j < (i + 1) * hidden; j++) out[j] = x[j] + bf16_to_float(o[j]);
+    for (long i = 0; i < t * hidden; i++) out[i] = x[i] + bf16_to_float(o[i]);
     free(xn);
     return 0;
 }

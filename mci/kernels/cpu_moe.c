@@ -196,8 +196,7 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
         for (long r = 0; r < t; r++) round_row(x + r * hidden, xb + r * hidden, hidden);
         mci_gated_mlp(xb, hidden, w_s_gate_up, w_s_down, t, hidden, s_inter, shared);
 #pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)
-        for (long r = 0; r < t; r++)
-            for (long i = r * hidden; i < (r + 1) * hidden; i++) out[i] += bf16_to_float(shared[i]);
+        for (long i = 0; i < t * hidden; i++) out[i] += bf16_to_float(shared[i]);
         free(xb);
     }
     free(tokens);
