@@ -485,12 +485,24 @@ def test_attention_in_one_call_is_the_kernel_path_bit_for_bit(checkpoint, config
     assert calls and not any(calls)
 
 
-@pytest.mark.parametrize("config", [{"size": "tiny"}, {"size": "small"}])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"size": "tiny"},
+        {"size": "small"},
+        {"size": "tiny", "num_hidden_layers": 3, "first_k_dense_replace": 0},  # MoE only
+        {"size": "tiny", "num_hidden_layers": 3, "first_k_dense_replace": 3},  # dense only
+        # dense, dense, MoE, dense: a span finishing a MoE goes on through dense layers
+        {"size": "tiny", "num_hidden_layers": 4, "moe_layer_freq": 2},
+        {"size": "tiny", "q_lora_rank": None},
+    ],
+)
 def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(checkpoint, config):
-    """A decode step whose every layer runs on the kernels goes through each layer's bound
-    calls (DecoderLayer.decode_on_kernels, made once per row count): the same hidden states,
-    logits and cache writes as the layers' own forward, for 1, 3 and the kernels' most rows
-    (dense and MoE layers, the shared experts inside the call); a prefill step does not."""
+    """A decode step whose every layer runs on the kernels goes through the decoder spans
+    (cpu_decoder.py, made once per row count from each DecoderLayer.decode_on_kernels): the
+    same hidden states, logits and cache writes as the layers' own forward, for 1, 3 and the
+    kernels' most rows (dense and MoE layers in any order, the shared experts inside the
+    call, with and without q_lora); a prefill step does not."""
     model = load_model(checkpoint(dtype="bfloat16", **config), "bfloat16")
     model.pack_for_cpu()
     bound = model._decode_on_kernels
@@ -506,7 +518,7 @@ def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(checkpoin
             with torch.inference_mode():
                 hidden = model(ids, meta, cache)
                 results.append((hidden, model.logits(hidden), cache))
-        assert model._kernel_steps[rows] is not None  # taken, with every layer bound
+        assert model._kernel_spans[rows] is not None  # taken, with every layer bound
         for got, want in zip(results[0], results[1], strict=True):
             assert torch.equal(got, want)
     del model._decode_on_kernels  # the class's method again
@@ -515,7 +527,7 @@ def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(checkpoin
     )
     with torch.inference_mode():
         model(torch.arange(30), prefill, model.allocate_kv_cache(64))
-    assert 30 not in model._kernel_steps
+    assert 30 not in model._kernel_spans
 
 
 @pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")

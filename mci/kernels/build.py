@@ -12,7 +12,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-COMMON = ("cpu_matvec.c", "cpu_mla.c", "cpu_moe.c", "cpu_prefill_attention.c")
+COMMON = (
+    "cpu_matvec.c",
+    "cpu_mla.c",
+    "cpu_moe.c",
+    "cpu_decoder.c",
+    "cpu_prefill_attention.c",
+)
 # The kernels' two builds: AVX-512 (with BF16 dot products, AMX and VBMI's FP8), and AVX2 + FMA,
 # where cpu_avx2.h writes each 512-bit operation of the common kernels as two 256-bit halves
 # and the AVX-512-only entry points are stubs (cpu_avx512_only.c).

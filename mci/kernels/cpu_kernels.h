@@ -211,6 +211,31 @@ void mci_rms_norm_row(const void *x, int x_bf16, const uint16_t *w, void *y, int
 void mci_linear(const uint16_t *x, long ldx, const Weight *w, uint16_t *y, long ldy, long m,
                 long n, long k);
 
+/* The gated MLP: y [m, hidden] bf16 = down(silu(gate) * up) of x bf16. cpu_moe.c. */
+void mci_gated_mlp(const uint16_t *x, long ldx, const Weight *w_gate_up, const Weight *w_down,
+                   long m, long hidden, long inter, uint16_t *y);
+
+/* The whole MoE block after its router's matmul, into out float32 [t, hidden]; 1 (out
+ * untouched) where an expert has more than max_rows tokens in the AVX2 build. cpu_moe.c. */
+int mci_moe(const float *x, const float *logits, const float *bias, long t, long e,
+            long n_group, long topk_group, long top_k, int norm, float scaling, float *weights,
+            int64_t *ids, const Weight *w_gate_up, const Weight *w_down,
+            const uint16_t *amx_gate_up, const uint16_t *amx_down, long hidden, long inter,
+            const Weight *w_s_gate_up, const Weight *w_s_down, long s_inter, long max_rows,
+            float *out);
+
+/* x + the attention sublayer of a decode step, into out float32 [t, hidden]; -1 where the
+ * latent rank is above MAX_LATENT. cpu_mla.c. */
+int mci_mla_decode(const float *x, long t, long hidden, const uint16_t *norm_w,
+                   float norm_eps, const Weight *w_qkv_a, long q_dim,
+                   const uint16_t *q_norm_w, float q_eps, const Weight *w_q_b,
+                   long heads, long nope, long r, long c, long v,
+                   const uint16_t *kv_norm_w, float kv_eps, const float *cos,
+                   const float *sin, int interleave, uint16_t *cache,
+                   const int64_t *write_slots, const uint16_t *w_uk_t,
+                   const uint16_t *w_uv, const int64_t *kv_slots, long ld_slots,
+                   const int64_t *lens, float scale, const Weight *w_o, float *out);
+
 /* Where mci_gemm reads a strip of weight rows [s0, s1) as bf16 rows [s1 - s0, k]: a pointer
  * into the weight itself, or `tile` (room for STRIP rows) filled with them. */
 typedef struct GemmRows {

@@ -248,6 +248,9 @@ class CpuKernels:
         self._pack_keys = lib.mci_pack_keys
         self._pack_keys.argtypes = [ptr, long, long, long, long, long, long, long, ptr]
         self._pack_keys.restype = ctypes.c_int
+        self._decoder_span = lib.mci_decoder_span  # cpu_decoder.py
+        self._decoder_span.argtypes = [ptr, ptr, ptr, ptr, long, ptr, ptr, ptr]
+        self._decoder_span.restype = ctypes.c_int
 
     def prefill_attention(
         self,
@@ -670,6 +673,19 @@ class BoundMoE:
         )  # fmt: skip
         return (None if status else out), weights, ids
 
+    def fields(self) -> dict:
+        """Its fixed arguments by cpu_decoder.c's DecodeLayer field names."""
+        router = ("n_group", "topk_group", "top_k", "norm_topk", "scaling")
+        experts = ("w_gate_up", "w_down", "amx_gate_up", "amx_down")
+        shared = ("inter", "w_s_gate_up", "w_s_down", "s_inter", "max_rows")
+        return {
+            **dict(zip(router, self._router, strict=True)),
+            "bias": self._bias,
+            "e": self.weights[5].shape[0],
+            **dict(zip(experts, self._experts, strict=True)),
+            **dict(zip(shared, self._shared, strict=True)),
+        }
+
 
 class BoundMLA:
     """One attention layer's `CpuKernels.mla_decode`, its fixed arguments converted once
@@ -712,3 +728,16 @@ class BoundMLA:
         if status != 0:
             raise ValueError(f"mla_decode: status {status}")
         return out
+
+    def fields(self) -> dict:
+        """Its fixed arguments by cpu_decoder.c's DecodeLayer field names."""
+        head = ("norm_w", "norm_eps", "w_qkv_a", "q_dim", "q_norm_w", "q_eps", "w_q_b", "heads",
+                "nope", "r", "c", "v", "kv_norm_w", "kv_eps")  # fmt: skip
+        return {
+            **dict(zip(head, self._head, strict=True)),
+            "interleave": self._interleave,
+            "w_uk_t": self._absorbed[0],
+            "w_uv": self._absorbed[1],
+            "scale": self._tail[0],
+            "w_o": self._tail[1],
+        }

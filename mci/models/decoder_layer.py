@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
+from mci.kernels.cpu_decoder import KernelLayer
+from mci.kernels.cpu_kernels import kernel_weight
 from mci.layers.attention import MultiHeadLatentAttention
 from mci.layers.mlp import GatedMLP
 from mci.layers.moe import MoE
@@ -58,38 +58,32 @@ class DecoderLayer(nn.Module):
         ffn = self.mlp(self.post_attention_layernorm(x, self.ffn_input_dtype))
         return x + (self.parallel.all_reduce(ffn) if self.dense_partial else ffn)
 
-    def decode_on_kernels(self, rows: int) -> Callable[..., torch.Tensor] | None:
-        """`forward` for a decode step of `rows` rows that runs wholly on the CPU kernels, as
-        a function of (x, cos, sin, kv_cache, write_slots, kv_slots, lengths) with the
-        layer's kernel calls bound once: the same calls `forward` makes on that step (the
-        attention sublayer, the norm, the one-call MoE or gated MLP), so the same values,
-        without the per-call checks and module dispatch (`small`, a 2-core EPYC: a one-row
-        step 6.36 -> 5.69 ms median, alternating in one process).
-        None where some part would not run on the kernels at that size. The caller checks
-        the step: float32 rows, a bf16 cache, an attention `decode_group`."""
+    def decode_on_kernels(self, rows: int) -> KernelLayer | None:
+        """This layer as cpu_decoder.c runs it in a decode step of `rows` rows: the same
+        kernel calls `forward` makes on that step (the attention sublayer, the norm, the
+        one-call MoE or gated MLP), so the same values, several layers a call. None where
+        some part would not run on the kernels at that size. The caller checks the step:
+        float32 rows, a bf16 cache, an attention `decode_group`."""
         attention = self.self_attn.bound_decode(rows, self.input_layernorm)
         norm = self.post_attention_layernorm
         if attention is None or norm.kernels is None or self.dense_partial:
             return None
-        mlp, ffn_dtype = self.mlp, self.ffn_input_dtype
+        fields = {
+            **attention.fields(),
+            "ffn_norm_w": norm.weight.data_ptr(),
+            "ffn_norm_eps": norm.eps,
+        }
+        mlp = self.mlp
         if isinstance(mlp, MoE):
             one_call = mlp.bound_call(rows)
             if one_call is None or not one_call[1]:  # the shared experts outside the call
                 return None
-            moe, gate = one_call[0], mlp.gate
-
-            def ffn(h: torch.Tensor) -> torch.Tensor:
-                out = moe(h, gate.logits(h))[0]
-                return out if out is not None else mlp(h)  # an expert over the kernels' rows
-
-        elif all(p.skinny(rows) is not None for p in (mlp.gate_up_proj, mlp.down_proj)):
-            ffn = mlp.forward  # GatedMLP's own kernel call
-        else:
+            moe = one_call[0]
+            fields.update(moe.fields(), moe=1)
+            return KernelLayer(fields, router=mlp.gate.logits, keep=(attention, moe))
+        parts = (mlp.gate_up_proj, mlp.down_proj)
+        if self.ffn_input_dtype != torch.bfloat16 or any(p.skinny(rows) is None for p in parts):
             return None
-        rms_norm, norm_weight, eps = norm.kernels.rms_norm, norm.weight, norm.eps
-
-        def step(x, cos, sin, kv_cache, write_slots, kv_slots, lengths) -> torch.Tensor:
-            h = attention(x, cos, sin, kv_cache, write_slots, kv_slots, lengths)
-            return h + ffn(rms_norm(h, norm_weight, eps, ffn_dtype))
-
-        return step
+        gate_up, down = (kernel_weight(p.kernel) for p in parts)
+        fields.update(moe=0, w_gate_up=gate_up.address, w_down=down.address, inter=down.k)
+        return KernelLayer(fields, keep=(attention, gate_up, down))

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mci.kernels import cpu_kernels
+from mci.kernels.cpu_decoder import DecoderSpans
 from mci.layers.attention import (
     ATTENTION_KEY_MULTIPLE,
     CASCADE_MIN_PREFIX,
@@ -78,9 +79,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.batch_invariant = False  # see `set_batch_invariant`
         self.skinny_kernels = True  # `pack_for_cpu`'s choice, kept by `set_batch_invariant`
         self.cpu_kernels: cpu_kernels.CpuKernels | None = None  # mci/kernels/, where they run
-        # rows -> each layer's bound decode step, or None (`_decode_on_kernels`); emptied
+        # rows -> the decoder layers' kernel spans, or None (`_decode_on_kernels`); emptied
         # whenever the kernels or the batch-invariant mode change which path a layer takes
-        self._kernel_steps: dict[int, list | None] = {}
+        self._kernel_spans: dict[int, DecoderSpans | None] = {}
 
     @property
     def num_cache_layers(self) -> int:
@@ -93,7 +94,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         of a few rows, decode attention, RMSNorm); returns how many layers were packed.
         Idempotent."""
         self.skinny_kernels = skinny_kernels
-        self._kernel_steps.clear()
+        self._kernel_spans.clear()
         packed = sum(
             m.pack_for_cpu(skinny_kernels) for m in self.modules() if isinstance(m, Linear)
         )
@@ -176,7 +177,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             if isinstance(module, (Linear, TopKRouter, RoutedExperts, MultiHeadLatentAttention)):
                 module.set_batch_invariant(enabled)
         self.batch_invariant = enabled
-        self._kernel_steps.clear()
+        self._kernel_spans.clear()
 
     @property
     def attention_layout(self) -> AttentionLayout:
@@ -262,21 +263,19 @@ class DeepseekV3ForCausalLM(nn.Module):
         absorbed = self.resolve_path(meta, attention_path)
         rope = self.rope_for(meta)
         x = self.model.embed_tokens(input_ids).float()  # the residual stream is float32
-        steps = self._decode_on_kernels(x.shape[0], meta, absorbed, kv_cache)
-        if steps is not None:  # every layer's kernel calls, bound once
-            cos, sin = rope
+        spans = self._decode_on_kernels(x.shape[0], meta, absorbed, kv_cache)
+        if spans is not None:  # every layer's kernel calls, bound once
             group = meta.groups[0]
-            slots, kv_slots, lengths = meta.write_slots, group.kv_slots, group.lengths
-            for i, step in enumerate(steps):
-                x = step(x, cos, sin, kv_cache[i], slots, kv_slots, lengths)
+            x = spans(x, *rope, kv_cache, meta.write_slots, group.kv_slots, group.lengths)
         else:
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, meta, rope, kv_cache[i], absorbed)
         return self.model.norm(x)  # in the model dtype, for lm_head and the MTP modules
 
-    def _decode_on_kernels(self, rows: int, meta, absorbed, kv_cache):
-        """Each layer's `DecoderLayer.decode_on_kernels` for a step of `rows` rows when every
-        layer runs wholly on the CPU kernels in it (made once per row count), else None."""
+    def _decode_on_kernels(self, rows: int, meta, absorbed, kv_cache) -> DecoderSpans | None:
+        """The decoder layers in a few kernel calls (cpu_decoder.py) for a step of `rows` rows
+        when every layer runs wholly on the CPU kernels in it (made once per row count), else
+        None."""
         if (
             self.cpu_kernels is None
             or kv_cache.dtype != torch.bfloat16
@@ -284,10 +283,11 @@ class DeepseekV3ForCausalLM(nn.Module):
             or decode_group(meta, absorbed, rows) is None
         ):
             return None
-        if rows not in self._kernel_steps:
-            steps = [layer.decode_on_kernels(rows) for layer in self.model.layers]
-            self._kernel_steps[rows] = None if None in steps else steps
-        return self._kernel_steps[rows]
+        if rows not in self._kernel_spans:
+            layers = [layer.decode_on_kernels(rows) for layer in self.model.layers]
+            spans = None if None in layers else DecoderSpans(self.cpu_kernels, layers)
+            self._kernel_spans[rows] = spans
+        return self._kernel_spans[rows]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,110 @@
+/* A decode step's decoder layers, several per call (mci/kernels/cpu_decoder.py): the kernel
+ * calls models/decoder_layer.py's `decode_on_kernels` makes from Python, one layer after the
+ * next, without returning to Python between them.
+ *
+ * A span of a step: first, optionally, the MoE of the layer the previous span stopped in (its
+ * normed input is in `normed`, its router's logits come from the caller), then each layer of
+ * `layers`: attention (mci_mla_decode, which adds the residual), the feed-forward's RMSNorm,
+ * and for a dense layer its gated MLP and residual sum. A MoE layer ends the span after its
+ * norm: the caller runs the router's float32 matmul with torch (MKL's sum order, which the
+ * routing's bits rest on) and passes its logits to the next span.
+ *
+ * Every step is the same C function the Python path calls, on the same values, and each sum
+ * adds the same two float32 values as torch's `h + ffn`: the result is bit-identical to that
+ * path (tests/test_cpu_decoder.py). */
+
+#include <stdlib.h>
+
+#include "cpu_kernels.h"
+
+/* mci_mla_decode's, mci_moe's and mci_gated_mlp's fixed arguments for one layer, in the
+ * order of their parameters (cpu_mla.c, cpu_moe.c). */
+typedef struct {
+    /* attention */
+    const uint16_t *norm_w;
+    float norm_eps;
+    const Weight *w_qkv_a;
+    long q_dim;
+    const uint16_t *q_norm_w;
+    float q_eps;
+    const Weight *w_q_b;
+    long heads, nope, r, c, v;
+    const uint16_t *kv_norm_w;
+    float kv_eps;
+    int interleave;
+    const uint16_t *w_uk_t, *w_uv;
+    float scale;
+    const Weight *w_o;
+    long cache_row; /* the layer's row of the latent cache */
+    /* the feed-forward's input norm */
+    const uint16_t *ffn_norm_w;
+    float ffn_norm_eps;
+    int moe; /* 0: a dense gated MLP (w_gate_up, w_down, inter); 1: the one-call MoE */
+    const Weight *w_gate_up, *w_down;
+    long inter;
+    /* the MoE's router constants, AMX-packed experts and shared experts */
+    const float *bias;
+    long e, n_group, topk_group, top_k;
+    int norm_topk;
+    float scaling;
+    const uint16_t *amx_gate_up, *amx_down;
+    const Weight *w_s_gate_up, *w_s_down;
+    long s_inter, max_rows;
+} DecodeLayer;
+
+/* What changes from step to step: t rows of `hidden`, their rope tables, the latent cache
+ * [rows, cache_row_stride] and the decode group's slots. */
+typedef struct {
+    long t, hidden;
+    const float *cos, *sin;
+    uint16_t *cache;
+    long cache_row_stride;
+    const int64_t *write_slots, *kv_slots;
+    long ld_slots;
+    const int64_t *lens;
+} DecodeStep;
+
+/* x[i] = h[i] + x[i] over t rows (torch's `h + ffn`, one rounding per element). */
+static void add_into(float *x, const float *h, long n) {
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_ELEMENTS)
+    for (long i = 0; i < n; i++) x[i] = h[i] + x[i];
+}
+
+/* x [t, hidden] float32 (the residual stream, updated in place), h [t, hidden] float32 (each
+ * layer's stream after attention), normed [t, hidden] float32 room (the feed-forward's input:
+ * float32 for a MoE, bf16 for a dense MLP). Returns 0; 1 where `finish`'s MoE refuses the
+ * step (mci_moe's AVX2 case, an expert over max_rows: never at the rows a layer is bound at,
+ * at most max_rows in all) and -1 where attention refuses a layer (its latent rank). */
+int mci_decoder_span(const DecodeStep *s, const DecodeLayer *finish, const float *logits,
+                     const DecodeLayer *layers, long count, float *x, float *h, void *normed) {
+    const long t = s->t, hidden = s->hidden, n = t * hidden;
+    if (finish) {
+        const DecodeLayer *L = finish;
+        float weights[t * L->top_k];
+        int64_t ids[t * L->top_k];
+        if (mci_moe(normed, logits, L->bias, t, L->e, L->n_group, L->topk_group, L->top_k,
+                    L->norm_topk, L->scaling, weights, ids, L->w_gate_up, L->w_down,
+                    L->amx_gate_up, L->amx_down, hidden, L->inter, L->w_s_gate_up, L->w_s_down,
+                    L->s_inter, L->max_rows, x))
+            return 1;
+        add_into(x, h, n);
+    }
+    for (long i = 0; i < count; i++) {
+        const DecodeLayer *L = layers + i;
+        uint16_t *cache = s->cache + L->cache_row * s->cache_row_stride;
+        if (mci_mla_decode(x, t, hidden, L->norm_w, L->norm_eps, L->w_qkv_a, L->q_dim,
+                           L->q_norm_w, L->q_eps, L->w_q_b, L->heads, L->nope, L->r, L->c, L->v,
+                           L->kv_norm_w, L->kv_eps, s->cos, s->sin, L->interleave, cache,
+                           s->write_slots, L->w_uk_t, L->w_uv, s->kv_slots, s->ld_slots, s->lens,
+                           L->scale, L->w_o, h))
+            return -1;
+        mci_rms_norm(h, hidden, 0, L->ffn_norm_w, normed, !L->moe, t, hidden, L->ffn_norm_eps);
+        if (L->moe) return 0; /* the caller's router, then the next span finishes it */
+        uint16_t *y = malloc(sizeof(uint16_t) * n);
+        mci_gated_mlp(normed, hidden, L->w_gate_up, L->w_down, t, hidden, L->inter, y);
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_ELEMENTS)
+        for (long j = 0; j < n; j++) x[j] = h[j] + bf16_to_float(y[j]);
+        free(y);
+    }
+    return 0;
+}
