@@ -439,7 +439,14 @@ def test_one_call_moe_and_gated_mlp_take_the_eager_steps(checkpoint, size):
 
 
 @pytest.mark.parametrize(
-    "config", [{"size": "tiny"}, {"size": "small"}, {"size": "tiny", "q_lora_rank": None}]
+    "config",
+    [
+        {"size": "tiny"},
+        {"size": "small"},
+        {"size": "tiny", "q_lora_rank": None},
+        # 3 heads: a thread's run of the heads' weight rows ends inside a head (per_head)
+        {"size": "tiny", "num_attention_heads": 3},
+    ],
 )
 def test_attention_in_one_call_is_the_kernel_path_bit_for_bit(checkpoint, config, monkeypatch):
     """A decode step (one row per sequence, or a verification's few) with the attention

@@ -363,11 +363,17 @@ void mci_write_latent_rows(const uint16_t *latent, long ld, const uint16_t *w, f
  * the head-major expert_linear that the torch path runs. */
 static void per_head(const uint16_t *x, long ldx_t, long ldx_h, const uint16_t *w, long heads,
                      long a, long b, uint16_t *y, long ldy_t, long ldy_h, long m) {
+    /* The heads' weights lie back to back: each thread takes one run of their heads * b rows
+     * (a head's rows split where the run ends), so it reads one stream, not a short one per
+     * head. Each output's sum is the same whichever thread computes it. Measured on `small`
+     * (8 heads, 16 KB a head, 2 threads), one decoding row: 17.6k -> 9.1k cycles for
+     * w_uk_t, 16.6k -> 9.0k for w_uv. */
 #pragma omp parallel
     {
-        long n0, n1;
-        mci_share(b, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
-        for (long h = 0; h < heads; h++) {
+        long r0, r1;
+        mci_share(heads * b, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
+        for (long h = r0 / b; h < heads && h * b < r1; h++) {
+            const long n0 = r0 > h * b ? r0 - h * b : 0, n1 = r1 < (h + 1) * b ? r1 - h * b : b;
             const Sink sink = {y + h * ldy_h, ldy_t, 0, 0, 0};
             mci_rows_range(x + h * ldx_h, ldx_t, w + h * b * a, a, sink, m, n0, n1);
         }
