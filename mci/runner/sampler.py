@@ -149,10 +149,12 @@ def sample(
     _mask_stop_tokens_before_min(logits, rows, eos_ids)
     _apply_grammars(logits, rows)
 
-    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
-    greedy = temps == 0
     tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+    # greedy rows decided in Python: a single greedy stream's step spends three torch ops less
+    # (each ~5-15 us between the weight-streaming kernels, whose passes leave caches cold)
+    if any(r.params.temperature != 0 for r in reqs):
+        temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
+        greedy = temps == 0
         scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
         top_k = torch.tensor([r.params.top_k for r in reqs])
         if bool((top_k > 0).any()):
