@@ -206,6 +206,18 @@ def test_native_generate_health_and_metrics(server):
     assert state["integrity_ok"] and state["kv_cache_usage"] == 0
 
 
+def test_metrics_right_after_a_stream_show_its_end(server):
+    """A request's last output carries the engine's stats after it: as soon as a stream has
+    ended, /metrics shows nothing running and no KV held by a request."""
+    body = {"prompt": "def", "max_tokens": 48, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        chunks = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert chunks[-1] == "data: [DONE]" and len(chunks) > 10
+    text = httpx.get(server.url + "/metrics").text
+    assert _gauge(text, "mci:num_requests_running") == 0
+    assert _gauge(text, "mci:kv_cache_usage_perc") == 0
+
+
 def _gauge(text: str, name: str) -> float:
     """The value of the sample named exactly `name` (labels included) in /metrics' text."""
     line = next(x for x in text.splitlines() if x.startswith(name + " "))
