@@ -444,8 +444,10 @@ def test_one_call_moe_and_gated_mlp_take_the_eager_steps(checkpoint, size):
         {"size": "tiny"},
         {"size": "small"},
         {"size": "tiny", "q_lora_rank": None},
-        # 3 heads: a thread's run of the heads' weight rows ends inside a head (per_head)
+        # 3 heads: a thread's run of the heads' weight rows ends inside a head (per_head); with
+        # odd latent and value sizes, at a row that is no multiple of 4 within it
         {"size": "tiny", "num_attention_heads": 3},
+        {"size": "tiny", "num_attention_heads": 3, "kv_lora_rank": 26, "v_head_dim": 30},
     ],
 )
 def test_attention_in_one_call_is_the_kernel_path_bit_for_bit(checkpoint, config, monkeypatch):
@@ -502,6 +504,10 @@ def test_attention_in_one_call_is_the_kernel_path_bit_for_bit(checkpoint, config
         # dense, dense, MoE, dense: a span finishing a MoE goes on through dense layers
         {"size": "tiny", "num_hidden_layers": 4, "moe_layer_freq": 2},
         {"size": "tiny", "q_lora_rank": None},
+        pytest.param(
+            {"size": "tiny", "fp8": True, "num_hidden_layers": 4, "moe_layer_freq": 2},
+            marks=pytest.mark.skipif(matvec is None or not matvec.fp8, reason="no FP8 kernels"),
+        ),
     ],
 )
 def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(checkpoint, config):

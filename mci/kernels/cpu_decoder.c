@@ -1,6 +1,6 @@
-/* A decode step's decoder layers, several per call (mci/kernels/cpu_decoder.py): the kernel
- * calls models/decoder_layer.py's `decode_on_kernels` makes from Python, one layer after the
- * next, without returning to Python between them.
+/* A decode step's decoder layers, several per call (mci/kernels/cpu_decoder.py): each layer's
+ * kernel calls, as its forward makes them on such a step (models/decoder_layer.py), one layer
+ * after the next, without returning to Python between them.
  *
  * A span of a step: first, optionally, the MoE of the layer the previous span stopped in (its
  * normed input is in `normed`, its router's logits come from the caller), then each layer of
@@ -11,14 +11,12 @@
  *
  * Every step is the same C function the Python path calls, on the same values, and each sum
  * adds the same two float32 values as torch's `h + ffn`: the result is bit-identical to that
- * path (tests/test_cpu_decoder.py). */
-
-#include <stdlib.h>
+ * path (tests/test_cpu_kernels.py's bound-step test). */
 
 #include "cpu_kernels.h"
 
-/* mci_mla_decode's, mci_moe's and mci_gated_mlp's fixed arguments for one layer, in the
- * order of their parameters (cpu_mla.c, cpu_moe.c). */
+/* mci_mla_decode's, mci_moe's and mci_gated_mlp's fixed arguments for one layer (cpu_mla.c,
+ * cpu_moe.c), each group in its function's parameter order. */
 typedef struct {
     /* attention */
     const uint16_t *norm_w;
@@ -78,6 +76,7 @@ static void add_into(float *x, const float *h, long n) {
 int mci_decoder_span(const DecodeStep *s, const DecodeLayer *finish, const float *logits,
                      const DecodeLayer *layers, long count, float *x, float *h, void *normed) {
     const long t = s->t, hidden = s->hidden, n = t * hidden;
+    if (t <= 0) return 0;
     if (finish) {
         const DecodeLayer *L = finish;
         float weights[t * L->top_k];
@@ -100,11 +99,11 @@ int mci_decoder_span(const DecodeStep *s, const DecodeLayer *finish, const float
             return -1;
         mci_rms_norm(h, hidden, 0, L->ffn_norm_w, normed, !L->moe, t, hidden, L->ffn_norm_eps);
         if (L->moe) return 0; /* the caller's router, then the next span finishes it */
-        uint16_t *y = malloc(sizeof(uint16_t) * n);
+        /* the bf16 input fills the first half of normed's float32 room, the output the second */
+        uint16_t *y = (uint16_t *)normed + n;
         mci_gated_mlp(normed, hidden, L->w_gate_up, L->w_down, t, hidden, L->inter, y);
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_ELEMENTS)
         for (long j = 0; j < n; j++) x[j] = h[j] + bf16_to_float(y[j]);
-        free(y);
     }
     return 0;
 }

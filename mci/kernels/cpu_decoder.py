@@ -1,11 +1,12 @@
 """A decode step's decoder layers in a few kernel calls (cpu_decoder.c): one call from one MoE
-router to the next, where the per-layer path (models/decoder_layer.py) makes five calls and
-as many torch ops a layer. The routers' float32 matmuls stay torch's (`TopKRouter.logits`):
-the expert choice rests on their bits. Same values as the per-layer path, bit for bit
-(tests/test_cpu_decoder.py).
+router to the next, where calling each layer's kernels from Python took five calls and as
+many torch ops a layer. The routers' float32 matmuls stay torch's (`TopKRouter.logits`): the
+expert choice rests on their bits. Same values as the layers' own forward, bit for bit
+(tests/test_cpu_kernels.py, test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit).
 
-Measured on `small` (8 layers, 7 of them MoE), a 2-core Zen 4 EPYC, one decoding request
-in process: the Python between a step's kernel calls was ~0.33 ms of a ~2.8 ms step.
+Measured on `small` (8 layers, 7 of them MoE), a 2-core Zen 4 EPYC, one decoding request in
+process: the Python between a step's kernel calls was ~0.33 ms of a ~2.8 ms step; old and new
+alternating, the step went 2.89 -> 2.78 and 3.04 -> 2.70 ms (p50).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from mci.kernels.cpu_kernels import BoundMLA, BoundMoE, KernelWeight
 
 ptr, long, c_float, c_int = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 
@@ -48,11 +52,54 @@ class DecodeStep(ctypes.Structure):
 @dataclass(frozen=True)
 class KernelLayer:
     """One decoder layer as the spans run it: its fields (by DecodeLayer's names) and, for a
-    MoE layer, its router's matmul. `keep` holds what the fields' addresses point into."""
+    MoE layer, its router's matmul. `keep` holds what the fields' addresses point into. Made
+    by `moe_layer` or `dense_layer`."""
 
-    fields: dict
-    router: Callable[[torch.Tensor], torch.Tensor] | None = None
-    keep: tuple = ()
+    fields: dict[str, int | float | None]
+    router: Callable[[torch.Tensor], torch.Tensor] | None
+    keep: tuple
+
+
+_ATTENTION = ("norm_w", "norm_eps", "w_qkv_a", "q_dim", "q_norm_w", "q_eps", "w_q_b", "heads",
+              "nope", "r", "c", "v", "kv_norm_w", "kv_eps", "interleave", "w_uk_t", "w_uv",
+              "scale", "w_o")  # fmt: skip
+_MOE = ("n_group", "topk_group", "top_k", "norm_topk", "scaling", "bias", "e", "w_gate_up",
+        "w_down", "amx_gate_up", "amx_down", "inter", "w_s_gate_up", "w_s_down", "s_inter",
+        "max_rows")  # fmt: skip
+
+
+def _layer(attention: BoundMLA, norm: tuple[torch.Tensor, float], ffn: dict, router, keep):
+    fields = {**attention.args, "ffn_norm_w": norm[0].data_ptr(), "ffn_norm_eps": norm[1]}
+    fields.update(ffn)
+    if set(fields) != set(_ATTENTION) | {"ffn_norm_w", "ffn_norm_eps", "moe"} | set(ffn):
+        raise ValueError(f"decoder span: unexpected fields {sorted(fields)}")
+    return KernelLayer(fields, router, (attention, norm[0], *keep))
+
+
+def moe_layer(
+    attention: BoundMLA, norm: tuple[torch.Tensor, float], moe: BoundMoE, router
+) -> KernelLayer:
+    """A MoE layer: its attention, the feed-forward's RMSNorm (weight, eps), the one-call MoE
+    (shared experts inside) and its router's matmul."""
+    if set(moe.args) != set(_MOE):
+        raise ValueError(f"decoder span: unexpected MoE fields {sorted(moe.args)}")
+    return _layer(attention, norm, {**moe.args, "moe": 1}, router, (moe,))
+
+
+def dense_layer(
+    attention: BoundMLA, norm: tuple[torch.Tensor, float], gate_up: KernelWeight,
+    down: KernelWeight,
+) -> KernelLayer:  # fmt: skip
+    """A dense layer: its attention, the feed-forward's RMSNorm, the gated MLP's weights."""
+    ffn = {"moe": 0, "w_gate_up": gate_up.address, "w_down": down.address, "inter": down.k}
+    return _layer(attention, norm, ffn, None, (gate_up, down))
+
+
+class _Span(NamedTuple):
+    finish: int | None  # the DecodeLayer address of the MoE layer finished first, or None
+    router: int | None  # that layer's index (its router runs before the call)
+    first: int  # the DecodeLayer address of the span's first layer
+    count: int  # layers after the MoE
 
 
 class DecoderSpans:
@@ -61,30 +108,32 @@ class DecoderSpans:
     computes it. A span runs from after one MoE layer's norm to the next MoE layer's norm;
     between spans, that layer's router."""
 
-    def __init__(self, kernels, layers: list[KernelLayer]):
+    def __init__(self, kernels, layers: list[KernelLayer], rows: int):
         self._call = kernels._decoder_span
+        self.rows = rows  # the step size the layers were bound at (their kernels' limits)
         self._layers = layers  # keeps every address the structs hold alive
         self._structs = (DecodeLayer * len(layers))(
             *(DecodeLayer(cache_row=i, **layer.fields) for i, layer in enumerate(layers))
         )
         base, size = ctypes.addressof(self._structs), ctypes.sizeof(DecodeLayer)
-        # (the MoE layer finished first or None, its router, first layer, count) per span
-        self._spans = []
+        bounds = []  # (the MoE layer finished first or None, first layer, count) per span
         finish, start = None, 0
         for i, layer in enumerate(layers):
             if layer.router is not None:  # a MoE layer ends its span after its norm
-                self._spans.append((finish, start, i + 1 - start))
+                bounds.append((finish, start, i + 1 - start))
                 finish, start = i, i + 1
         # the last MoE layer's block, then the dense layers after it (none in DeepSeek-V3)
-        self._spans.append((finish, start, len(layers) - start))
+        bounds.append((finish, start, len(layers) - start))
         self._spans = [
-            (None if f is None else base + f * size, f, base + s * size, n)
-            for f, s, n in self._spans
+            _Span(None if f is None else base + f * size, f, base + first * size, n)
+            for f, first, n in bounds
         ]
 
     def __call__(self, x, cos, sin, kv_cache, write_slots, kv_slots, lengths) -> torch.Tensor:
         t, hidden = x.shape
-        if kv_slots.stride(1) != 1 or not kv_cache.is_contiguous():
+        if t != self.rows:
+            raise ValueError(f"decoder spans bound for {self.rows} rows, called with {t}")
+        if kv_slots.stride(1) != 1 or not kv_cache.is_contiguous():  # the caller checks
             raise ValueError("decoder spans: cache rows and slots must be contiguous")
         # the residual stream, updated in place by the calls: a copy, the caller's x untouched
         x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
@@ -97,11 +146,13 @@ class DecoderSpans:
         )  # fmt: skip
         step_ref, x_ptr, h_ptr = ctypes.byref(step), x.data_ptr(), h.data_ptr()
         normed_ptr = normed.data_ptr()
-        for finish, index, first, count in self._spans:
-            logits = None if finish is None else self._layers[index].router(normed)
+        for span in self._spans:
+            logits = None
+            if span.router is not None:  # float32 [t, E], as the C code reads it
+                logits = self._layers[span.router].router(normed).float().contiguous()
             status = self._call(
-                step_ref, finish, None if logits is None else logits.data_ptr(), first, count,
-                x_ptr, h_ptr, normed_ptr,
+                step_ref, span.finish, None if logits is None else logits.data_ptr(), span.first,
+                span.count, x_ptr, h_ptr, normed_ptr,
             )  # fmt: skip
             if status != 0:  # never at the rows a layer binds at (decode_on_kernels)
                 raise ValueError(f"decoder span: status {status}")

@@ -639,23 +639,28 @@ class BoundMoE:
         self._call = kernels._moe
         self.weights = (gate_up, down, s_gate_up, s_down, amx, router.bias)
         self.top_k = router.top_k
-        self._router = (
-            router.n_group, router.topk_group, router.top_k, int(router.norm_topk_prob),
-            router.scaling,
-        )  # fmt: skip
-        self._bias = router.bias.data_ptr()
-        self._experts = (
-            gate_up.address, down.address,
-            None if amx_gate_up is None else amx_gate_up.data_ptr(),
-            None if amx_down is None else amx_down.data_ptr(),
-        )  # fmt: skip
-        self._shared = (
-            down.k,
-            None if s_gate_up is None else s_gate_up.address,
-            None if s_down is None else s_down.address,
-            0 if s_down is None else s_down.k,
-            max_rows,
-        )  # fmt: skip
+        # each fixed argument by its name in cpu_decoder.c's DecodeLayer (`fields`); the call's
+        # groups of them below in mci_moe's parameter order
+        self.args = {
+            "n_group": router.n_group, "topk_group": router.topk_group, "top_k": router.top_k,
+            "norm_topk": int(router.norm_topk_prob), "scaling": router.scaling,
+            "bias": router.bias.data_ptr(), "e": router.bias.shape[0],
+            "w_gate_up": gate_up.address, "w_down": down.address,
+            "amx_gate_up": None if amx_gate_up is None else amx_gate_up.data_ptr(),
+            "amx_down": None if amx_down is None else amx_down.data_ptr(),
+            "inter": down.k,
+            "w_s_gate_up": None if s_gate_up is None else s_gate_up.address,
+            "w_s_down": None if s_down is None else s_down.address,
+            "s_inter": 0 if s_down is None else s_down.k,
+            "max_rows": max_rows,
+        }  # fmt: skip
+        named = self.args.__getitem__
+        self._router = tuple(map(named, ("n_group", "topk_group", "top_k", "norm_topk", "scaling")))
+        self._bias = self.args["bias"]
+        self._experts = tuple(map(named, ("w_gate_up", "w_down", "amx_gate_up", "amx_down")))
+        self._shared = tuple(
+            map(named, ("inter", "w_s_gate_up", "w_s_down", "s_inter", "max_rows"))
+        )
 
     def __call__(
         self, x: torch.Tensor, logits: torch.Tensor
@@ -673,19 +678,6 @@ class BoundMoE:
         )  # fmt: skip
         return (None if status else out), weights, ids
 
-    def fields(self) -> dict:
-        """Its fixed arguments by cpu_decoder.c's DecodeLayer field names."""
-        router = ("n_group", "topk_group", "top_k", "norm_topk", "scaling")
-        experts = ("w_gate_up", "w_down", "amx_gate_up", "amx_down")
-        shared = ("inter", "w_s_gate_up", "w_s_down", "s_inter", "max_rows")
-        return {
-            **dict(zip(router, self._router, strict=True)),
-            "bias": self._bias,
-            "e": self.weights[5].shape[0],
-            **dict(zip(experts, self._experts, strict=True)),
-            **dict(zip(shared, self._shared, strict=True)),
-        }
-
 
 class BoundMLA:
     """One attention layer's `CpuKernels.mla_decode`, its fixed arguments converted once
@@ -702,15 +694,25 @@ class BoundMLA:
         self._call = kernels._mla
         self.layer = layer
         q_norm, q_eps = layer.q_norm if layer.q_norm is not None else (None, 0.0)
-        self._head = (
-            layer.norm[0].data_ptr(), layer.norm[1], layer.qkv_a.address, layer.q_dim,
-            None if q_norm is None else q_norm.data_ptr(), q_eps,
-            None if layer.q_b is None else layer.q_b.address, layer.heads, layer.nope,
-            layer.rope, c, v, layer.kv_norm[0].data_ptr(), layer.kv_norm[1],
-        )  # fmt: skip
-        self._interleave = int(layer.interleave)
-        self._absorbed = (layer.w_uk_t.data_ptr(), layer.w_uv.data_ptr())
-        self._tail = (layer.scale, layer.o.address)
+        # each fixed argument by its name in cpu_decoder.c's DecodeLayer (`fields`); the call's
+        # groups of them below in mci_mla_decode's parameter order
+        self.args = {
+            "norm_w": layer.norm[0].data_ptr(), "norm_eps": layer.norm[1],
+            "w_qkv_a": layer.qkv_a.address, "q_dim": layer.q_dim,
+            "q_norm_w": None if q_norm is None else q_norm.data_ptr(), "q_eps": q_eps,
+            "w_q_b": None if layer.q_b is None else layer.q_b.address, "heads": layer.heads,
+            "nope": layer.nope, "r": layer.rope, "c": c, "v": v,
+            "kv_norm_w": layer.kv_norm[0].data_ptr(), "kv_eps": layer.kv_norm[1],
+            "interleave": int(layer.interleave),
+            "w_uk_t": layer.w_uk_t.data_ptr(), "w_uv": layer.w_uv.data_ptr(),
+            "scale": layer.scale, "w_o": layer.o.address,
+        }  # fmt: skip
+        head = ("norm_w", "norm_eps", "w_qkv_a", "q_dim", "q_norm_w", "q_eps", "w_q_b", "heads",
+                "nope", "r", "c", "v", "kv_norm_w", "kv_eps")  # fmt: skip
+        self._head = tuple(map(self.args.__getitem__, head))
+        self._interleave = self.args["interleave"]
+        self._absorbed = (self.args["w_uk_t"], self.args["w_uv"])
+        self._tail = (self.args["scale"], self.args["w_o"])
 
     def __call__(self, x, cos, sin, cache, write_slots, kv_slots, lengths) -> torch.Tensor:
         """`CpuKernels.mla_decode` with this layer's weights."""
@@ -728,16 +730,3 @@ class BoundMLA:
         if status != 0:
             raise ValueError(f"mla_decode: status {status}")
         return out
-
-    def fields(self) -> dict:
-        """Its fixed arguments by cpu_decoder.c's DecodeLayer field names."""
-        head = ("norm_w", "norm_eps", "w_qkv_a", "q_dim", "q_norm_w", "q_eps", "w_q_b", "heads",
-                "nope", "r", "c", "v", "kv_norm_w", "kv_eps")  # fmt: skip
-        return {
-            **dict(zip(head, self._head, strict=True)),
-            "interleave": self._interleave,
-            "w_uk_t": self._absorbed[0],
-            "w_uv": self._absorbed[1],
-            "scale": self._tail[0],
-            "w_o": self._tail[1],
-        }

@@ -366,8 +366,8 @@ static void per_head(const uint16_t *x, long ldx_t, long ldx_h, const uint16_t *
     /* The heads' weights lie back to back: each thread takes one run of their heads * b rows
      * (a head's rows split where the run ends), so it reads one stream, not a short one per
      * head. Each output's sum is the same whichever thread computes it. Measured on `small`
-     * (8 heads, 16 KB a head, 2 threads), one decoding row: 17.6k -> 9.1k cycles for
-     * w_uk_t, 16.6k -> 9.0k for w_uv. */
+     * (8 heads, 16 KB a head, 2 threads), one decoding row, TSC, old and new alternating:
+     * 17.6-20.0k -> 11.2-13.1k cycles for w_uk_t, 16.6-20.9k -> 11.4-12.1k for w_uv. */
 #pragma omp parallel
     {
         long r0, r1;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mci.kernels.cpu_decoder import KernelLayer
+from mci.kernels import cpu_decoder
 from mci.kernels.cpu_kernels import kernel_weight
 from mci.layers.attention import MultiHeadLatentAttention
 from mci.layers.mlp import GatedMLP
@@ -58,7 +58,7 @@ class DecoderLayer(nn.Module):
         ffn = self.mlp(self.post_attention_layernorm(x, self.ffn_input_dtype))
         return x + (self.parallel.all_reduce(ffn) if self.dense_partial else ffn)
 
-    def decode_on_kernels(self, rows: int) -> KernelLayer | None:
+    def decode_on_kernels(self, rows: int) -> cpu_decoder.KernelLayer | None:
         """This layer as cpu_decoder.c runs it in a decode step of `rows` rows: the same
         kernel calls `forward` makes on that step (the attention sublayer, the norm, the
         one-call MoE or gated MLP), so the same values, several layers a call. None where
@@ -68,22 +68,18 @@ class DecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         if attention is None or norm.kernels is None or self.dense_partial:
             return None
-        fields = {
-            **attention.fields(),
-            "ffn_norm_w": norm.weight.data_ptr(),
-            "ffn_norm_eps": norm.eps,
-        }
+        ffn_norm = (norm.weight, norm.eps)
         mlp = self.mlp
         if isinstance(mlp, MoE):
             one_call = mlp.bound_call(rows)
             if one_call is None or not one_call[1]:  # the shared experts outside the call
                 return None
-            moe = one_call[0]
-            fields.update(moe.fields(), moe=1)
-            return KernelLayer(fields, router=mlp.gate.logits, keep=(attention, moe))
+            kernels = mlp.experts.gate_up_proj.skinny(1)
+            if not kernels.gemm and rows > kernels.expert_max_rows:
+                return None  # an expert could get more rows than the kernels' MoE takes
+            return cpu_decoder.moe_layer(attention, ffn_norm, one_call[0], mlp.gate.logits)
         parts = (mlp.gate_up_proj, mlp.down_proj)
         if self.ffn_input_dtype != torch.bfloat16 or any(p.skinny(rows) is None for p in parts):
             return None
         gate_up, down = (kernel_weight(p.kernel) for p in parts)
-        fields.update(moe=0, w_gate_up=gate_up.address, w_down=down.address, inter=down.k)
-        return KernelLayer(fields, keep=(attention, gate_up, down))
+        return cpu_decoder.dense_layer(attention, ffn_norm, gate_up, down)

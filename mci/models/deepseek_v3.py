@@ -279,13 +279,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         if (
             self.cpu_kernels is None
             or kv_cache.dtype != torch.bfloat16
+            or not kv_cache.is_contiguous()
             or not torch.is_inference_mode_enabled()
             or decode_group(meta, absorbed, rows) is None
+            or meta.groups[0].kv_slots.stride(1) != 1
         ):
             return None
         if rows not in self._kernel_spans:
             layers = [layer.decode_on_kernels(rows) for layer in self.model.layers]
-            spans = None if None in layers else DecoderSpans(self.cpu_kernels, layers)
+            spans = None if None in layers else DecoderSpans(self.cpu_kernels, layers, rows)
             self._kernel_spans[rows] = spans
         return self._kernel_spans[rows]
 

@@ -152,7 +152,7 @@ def sample(
     tokens = logits.argmax(dim=-1)
     # greedy rows decided in Python: a single greedy stream's step spends three torch ops less
     # (each ~5-15 us between the weight-streaming kernels, whose passes leave caches cold)
-    if any(r.params.temperature != 0 for r in reqs):
+    if not all(r.params.greedy for r in reqs):
         temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
         greedy = temps == 0
         scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
