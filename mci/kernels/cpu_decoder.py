@@ -60,19 +60,17 @@ class KernelLayer:
     keep: tuple
 
 
-_ATTENTION = ("norm_w", "norm_eps", "w_qkv_a", "q_dim", "q_norm_w", "q_eps", "w_q_b", "heads",
-              "nope", "r", "c", "v", "kv_norm_w", "kv_eps", "interleave", "w_uk_t", "w_uv",
-              "scale", "w_o")  # fmt: skip
-_MOE = ("n_group", "topk_group", "top_k", "norm_topk", "scaling", "bias", "e", "w_gate_up",
-        "w_down", "amx_gate_up", "amx_down", "inter", "w_s_gate_up", "w_s_down", "s_inter",
-        "max_rows")  # fmt: skip
+# DecodeLayer's fields in groups, as the C struct orders them: the attention's (BoundMLA's
+# `args`) come before `cache_row`, the MoE's (BoundMoE's `args`) from `w_gate_up` on
+_NAMES = [name for name, _ in DecodeLayer._fields_]
+_ATTENTION = set(_NAMES[: _NAMES.index("cache_row")])
+_MOE = set(_NAMES[_NAMES.index("w_gate_up") :])
 
 
 def _layer(attention: BoundMLA, norm: tuple[torch.Tensor, float], ffn: dict, router, keep):
-    fields = {**attention.args, "ffn_norm_w": norm[0].data_ptr(), "ffn_norm_eps": norm[1]}
-    fields.update(ffn)
-    if set(fields) != set(_ATTENTION) | {"ffn_norm_w", "ffn_norm_eps", "moe"} | set(ffn):
-        raise ValueError(f"decoder span: unexpected fields {sorted(fields)}")
+    if set(attention.args) != _ATTENTION:
+        raise ValueError(f"decoder span: unexpected attention fields {sorted(attention.args)}")
+    fields = {**attention.args, "ffn_norm_w": norm[0].data_ptr(), "ffn_norm_eps": norm[1], **ffn}
     return KernelLayer(fields, router, (attention, norm[0], *keep))
 
 
@@ -81,7 +79,7 @@ def moe_layer(
 ) -> KernelLayer:
     """A MoE layer: its attention, the feed-forward's RMSNorm (weight, eps), the one-call MoE
     (shared experts inside) and its router's matmul."""
-    if set(moe.args) != set(_MOE):
+    if set(moe.args) != _MOE:
         raise ValueError(f"decoder span: unexpected MoE fields {sorted(moe.args)}")
     return _layer(attention, norm, {**moe.args, "moe": 1}, router, (moe,))
 
@@ -105,8 +103,9 @@ class _Span(NamedTuple):
 class DecoderSpans:
     """Every decoder layer of a decode step: `__call__(x, cos, sin, kv_cache, write_slots,
     kv_slots, lengths)` -> the residual stream after the last layer, as the per-layer path
-    computes it. A span runs from after one MoE layer's norm to the next MoE layer's norm;
-    between spans, that layer's router."""
+    computes it, written over x (float32 [rows, hidden] contiguous, the caller's own). A
+    span runs from after one MoE layer's norm to the next MoE layer's norm; between spans,
+    that layer's router."""
 
     def __init__(self, kernels, layers: list[KernelLayer], rows: int):
         self._call = kernels._decoder_span
@@ -135,8 +134,8 @@ class DecoderSpans:
             raise ValueError(f"decoder spans bound for {self.rows} rows, called with {t}")
         if kv_slots.stride(1) != 1 or not kv_cache.is_contiguous():  # the caller checks
             raise ValueError("decoder spans: cache rows and slots must be contiguous")
-        # the residual stream, updated in place by the calls: a copy, the caller's x untouched
-        x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        if x.dtype != torch.float32 or not x.is_contiguous():  # the calls update it in place
+            raise ValueError("decoder spans: x must be float32 and contiguous")
         cos, sin = cos.contiguous(), sin.contiguous()
         h = torch.empty(t, hidden, dtype=torch.float32)
         normed = torch.empty(t, hidden, dtype=torch.float32)

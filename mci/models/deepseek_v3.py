@@ -264,7 +264,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         rope = self.rope_for(meta)
         x = self.model.embed_tokens(input_ids).float()  # the residual stream is float32
         spans = self._decode_on_kernels(x.shape[0], meta, absorbed, kv_cache)
-        if spans is not None:  # every layer's kernel calls, bound once
+        if spans is not None:  # every layer's kernel calls, bound once; x is updated in place
             group = meta.groups[0]
             x = spans(x, *rope, kv_cache, meta.write_slots, group.kv_slots, group.lengths)
         else:
