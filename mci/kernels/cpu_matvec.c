@@ -15,9 +15,6 @@
 #include "cpu_kernels.h"
 
 #define FEATS 4  /* a thread's share of a weight's rows is whole blocks of FEATS rows */
-#ifndef PREFETCH
-#define PREFETCH 4 /* rows ahead */
-#endif
 
 #ifdef __AVX512F__
 #define TOKENS 8 /* rows of x per pass over a weight's rows */
@@ -53,10 +50,16 @@ typedef struct {
  * side by side, chunk by chunk (1 KB apart for k = 512), defeat the hardware prefetchers.
  * Measured on a 2-core AMD EPYC (Zen 4), one row of x, weights cold from DRAM: 4 rows side by
  * side read 512x512 at 15 GB/s and 8192x512 at 17, one row at a time 26 and 28 (a plain read:
- * 22-31). P = 2 for weights in cache, where the loads are the limit: each chunk of x loaded
- * once for two weight rows. Why groups: a row's sums reduced alone cost ~10 shuffles and
- * adds, its result rounded and stored one scalar at a time, about as much as the row's dot
- * products at k = 256-512 from cache; a group's 16 sums take 45 operations and one rounding.
+ * 22-31). No software prefetch on this pass (nor in one_row): the hardware prefetchers
+ * follow one address-ordered stream, and prefetching 4 rows ahead as well cost bandwidth.
+ * Measured (alternating, in process, `small`, p50 of a decode step): one request 2.39-2.53 ->
+ * 2.31-2.35 ms, 4 requests 5.46-5.66 -> 5.30-5.36; a model-shaped sequence of 63 weights
+ * (51 MB a step, 4 of 32 experts) 30-31 -> 35-38 GB/s, where a plain read of the same
+ * shares, the same regions, takes 36-37. P = 2 for weights in cache, where the loads are the
+ * limit: each chunk of x loaded once for two weight rows. Why groups: a row's sums reduced
+ * alone cost ~10 shuffles and adds, its result rounded and stored one scalar at a time,
+ * about as much as the row's dot products at k = 256-512 from cache; a group's 16 sums take 45
+ * operations and one rounding.
  * Measured (the 7 MoE layers' routed experts of a 32-request step of `small`, one expert hot
  * in cache for all, so the arithmetic alone): 3.45 ms a step before, 3.25 in groups, 2.75 in
  * groups with P = 2; from DRAM, P = 2 was 30% slower than P = 1. */
@@ -78,18 +81,13 @@ static inline __attribute__((always_inline)) void group_rows(const uint16_t *xp,
         const int next1 = P > 1 && rows > 1 && n + r + 1 + ahead->rows < ahead->end;
         const long skip = ahead->rows * k;
         for (long kk = 0; kk < k_full; kk += 32, xc += T * 32) {
-            if (P == 1) {
-                _mm_prefetch((const char *)(w0 + PREFETCH * k + kk), _MM_HINT_T0);
-            } else if ((kk >> 5) % ahead->share == ahead->part) {
+            if (P > 1 && (kk >> 5) % ahead->share == ahead->part) {
                 if (next0) _mm_prefetch((const char *)(w0 + skip + kk), _MM_HINT_T0);
                 if (next1) _mm_prefetch((const char *)(w1 + skip + kk), _MM_HINT_T0);
             }
             const __m512bh wv0 = (__m512bh)_mm512_loadu_si512(w0 + kk);
             __m512bh wv1 = wv0;
-            if (rows > 1) {
-                if (P == 1) _mm_prefetch((const char *)(w1 + PREFETCH * k + kk), _MM_HINT_T0);
-                wv1 = (__m512bh)_mm512_loadu_si512(w1 + kk);
-            }
+            if (rows > 1) wv1 = (__m512bh)_mm512_loadu_si512(w1 + kk);
 #pragma GCC unroll 16
             for (int j = 0; j < T; j++) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(xc + j * 32);
@@ -135,7 +133,6 @@ static inline __attribute__((always_inline)) void one_row(const uint16_t *xp, co
     const uint16_t *wr = w + n * k;
     __m512 acc = _mm512_setzero_ps();
     for (long kk = 0; kk < k_full; kk += 32) {
-        _mm_prefetch((const char *)(wr + PREFETCH * k + kk), _MM_HINT_T0);
         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wr + kk),
                                (__m512bh)_mm512_loadu_si512(xp + kk));
     }
@@ -244,6 +241,7 @@ void mci_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink
 
 #else /* AVX2 (cpu_avx2.h): the same sums, lane for lane, with 256-bit registers */
 #define TOKENS 4 /* rows of x per pass over a weight's rows */
+#define PREFETCH 4 /* weight rows ahead */
 
 /* Accumulate one 32-element chunk of the weight row against T widened rows of x. */
 #define MCI_CHUNK(T, LOAD)                                                                     \
