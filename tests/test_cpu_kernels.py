@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 from helpers import stepwise_logits
 
-from mci.kernels import build, cpu_kernels
+from mci.kernels import build, cpu_decoder, cpu_kernels
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
 from mci.layers.linear import bf16_matmuls_supported
 from mci.layers.mlp import GatedMLP
 from mci.layers.moe import MoE
+from mci.models import deepseek_v3
 from mci.models.loader import load_model
 
 matvec = cpu_kernels.load()
@@ -510,12 +511,19 @@ def test_attention_in_one_call_is_the_kernel_path_bit_for_bit(checkpoint, config
         ),
     ],
 )
-def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(checkpoint, config):
+@pytest.mark.parametrize("whole_step", [True, False])
+def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(
+    checkpoint, config, whole_step, monkeypatch
+):
     """A decode step whose every layer runs on the kernels goes through the decoder spans
     (cpu_decoder.py, made once per row count from each DecoderLayer.decode_on_kernels): the
     same hidden states, logits and cache writes as the layers' own forward, for 1, 3 and the
     kernels' most rows (dense and MoE layers in any order, the shared experts inside the
-    call, with and without q_lora); a prefill step does not."""
+    call, with and without q_lora); a prefill step does not. With BLAS's sgemm found, the
+    whole step (embedding, routers, final norm) is one C call; without, the routers run in
+    Python between the spans."""
+    if not whole_step:
+        monkeypatch.setattr(deepseek_v3, "blas_sgemm", lambda: None)
     model = load_model(checkpoint(dtype="bfloat16", **config), "bfloat16")
     model.pack_for_cpu()
     bound = model._decode_on_kernels
@@ -531,7 +539,9 @@ def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(checkpoin
             with torch.inference_mode():
                 hidden = model(ids, meta, cache)
                 results.append((hidden, model.logits(hidden), cache))
-        assert model._kernel_spans[rows] is not None  # taken, with every layer bound
+        spans = model._kernel_spans[rows]
+        assert spans is not None  # taken, with every layer bound
+        assert spans.whole_step == whole_step  # embedding to final norm in one call
         for got, want in zip(results[0], results[1], strict=True):
             assert torch.equal(got, want)
     del model._decode_on_kernels  # the class's method again
@@ -596,3 +606,31 @@ def test_avx2_build_compiles_and_its_prefill_attention_matches_softmax():
     ref = torch.softmax(scores, -1) @ v.float()
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)  # P rounded to bf16
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(cpu_decoder.blas_sgemm() is None, reason="torch has no MKL sgemm")
+def test_the_routers_sgemm_gives_f_linears_bits():
+    """cpu_decoder.c runs a router's float32 matmul through BLAS's sgemm as F.linear calls
+    it: the same bits at every row count a step binds at and at DeepSeek-V3's router shape."""
+    sgemm = cpu_decoder.blas_sgemm()
+    gen = torch.Generator().manual_seed(0)
+    for experts, hidden in ((32, 512), (256, 7168), (8, 96)):
+        weight = torch.randn(experts, hidden, generator=gen) * 0.05
+        for rows in (1, 2, 3, 7, 16, 33, 64):
+            assert cpu_decoder.sgemm_is_linear(sgemm, weight, rows)
+
+
+def test_a_whole_decode_step_refuses_an_id_outside_the_vocabulary(checkpoint):
+    """An id past the embedding is an IndexError (as F.embedding's), not a read past it."""
+    model = load_model(checkpoint(dtype="bfloat16", size="tiny"), "bfloat16")
+    model.pack_for_cpu()
+    meta = AttentionMetadata.build(
+        [SequenceChunk(torch.arange(10), 1)], "cpu", model.attention_layout
+    )
+    cache = model.allocate_kv_cache(64)
+    with torch.inference_mode():
+        model(torch.tensor([3]), meta, cache)
+        if not model._kernel_spans[1].whole_step:
+            pytest.skip("no whole-step decoder here")
+        with pytest.raises(IndexError):
+            model(torch.tensor([model.cfg.vocab_size]), meta, cache)

@@ -13,6 +13,8 @@
  * adds the same two float32 values as torch's `h + ffn`: the result is bit-identical to that
  * path (tests/test_cpu_kernels.py's bound-step test). */
 
+#include <string.h>
+
 #include "cpu_kernels.h"
 
 /* mci_mla_decode's, mci_moe's and mci_gated_mlp's fixed arguments for one layer (cpu_mla.c,
@@ -48,6 +50,8 @@ typedef struct {
     const uint16_t *amx_gate_up, *amx_down;
     const Weight *w_s_gate_up, *w_s_down;
     long s_inter, max_rows;
+    /* the router's float32 weight [e, hidden] for mci_decoder_step (NULL: the caller routes) */
+    const float *router_w;
 } DecodeLayer;
 
 /* What changes from step to step: t rows of `hidden`, their rope tables, the latent cache
@@ -105,5 +109,69 @@ int mci_decoder_span(const DecodeStep *s, const DecodeLayer *finish, const float
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_ELEMENTS)
         for (long j = 0; j < n; j++) x[j] = h[j] + bf16_to_float(y[j]);
     }
+    return 0;
+}
+
+/* BLAS's sgemm (Fortran interface, 32-bit integers): the one torch's float32 F.linear calls on
+ * the CPU (MKL's), passed in by the caller, which checks its bits against F.linear's first. */
+typedef void (*Sgemm)(const char *transa, const char *transb, const int *m, const int *n,
+                      const int *k, const float *alpha, const float *a, const int *lda,
+                      const float *b, const int *ldb, const float *beta, float *c,
+                      const int *ldc);
+
+/* logits [t, e] = x [t, hidden] @ w [e, hidden]^T as F.linear calls BLAS: column-major
+ * logits^T = w^T' x^T, i.e. sgemm("T", "N", e, t, hidden, 1, w, hidden, x, hidden, 0, ...). */
+static void router_logits(Sgemm sgemm, const float *w, const float *x, long t, long hidden,
+                          long e, float *logits) {
+    const int m = (int)e, n = (int)t, k = (int)hidden;
+    const float one = 1.0f, zero = 0.0f;
+    sgemm("T", "N", &m, &n, &k, &one, w, &k, x, &k, &zero, logits, &m);
+}
+
+/* A decode step's whole decoder: the t input ids' embedding rows (bf16 [vocab, hidden], widened
+ * to float32 into x), their rope rows (cos/sin tables [table_rows, half] float32) at
+ * `positions`, every layer's span with each MoE router's matmul in between (`sgemm`, on the
+ * layer's router_w, which none may lack), and the final RMSNorm into `out` (bf16 [t, hidden]).
+ * x, h and normed as mci_decoder_span's; logits float32 [t, max e] room. The same values as the
+ * model's forward on that step: the same lookups, kernels and BLAS call, in the same order.
+ * Returns mci_decoder_span's status, -2 for an id outside [0, vocab) or a position outside
+ * the tables, -3 for a MoE layer without router_w. */
+int mci_decoder_step(const DecodeStep *s, const DecodeLayer *layers, long count, Sgemm sgemm,
+                     const int64_t *ids, const uint16_t *embed, long vocab,
+                     const float *cos_table, const float *sin_table, long table_rows,
+                     long half, const int64_t *positions, const uint16_t *norm_w, float norm_eps,
+                     uint16_t *out, float *x, float *h, void *normed, float *logits) {
+    const long t = s->t, hidden = s->hidden;
+    if (t <= 0) return 0;
+    for (long i = 0; i < t; i++)
+        if (ids[i] < 0 || ids[i] >= vocab || positions[i] < 0 || positions[i] >= table_rows)
+            return -2;
+    for (long i = 0; i < t; i++) {
+        const uint16_t *row = embed + ids[i] * hidden;
+        for (long j = 0; j < hidden; j++) x[i * hidden + j] = bf16_to_float(row[j]);
+    }
+    float cos[t * half], sin[t * half];
+    for (long i = 0; i < t; i++) {
+        memcpy(cos + i * half, cos_table + positions[i] * half, sizeof(float) * half);
+        memcpy(sin + i * half, sin_table + positions[i] * half, sizeof(float) * half);
+    }
+    DecodeStep step = *s;
+    step.cos = cos;
+    step.sin = sin;
+    const DecodeLayer *finish = NULL;
+    long start = 0;
+    for (long i = 0; i <= count; i++) {
+        if (i < count && !layers[i].moe) continue;
+        /* layers [start, i] (the MoE layer i's block up to its norm), or the last ones */
+        const long n = (i < count ? i + 1 : count) - start;
+        const int status = mci_decoder_span(&step, finish, logits, layers + start, n, x, h, normed);
+        if (status != 0) return status;
+        if (i == count) break;
+        if (!layers[i].router_w) return -3;
+        router_logits(sgemm, layers[i].router_w, normed, t, hidden, layers[i].e, logits);
+        finish = layers + i;
+        start = i + 1;
+    }
+    mci_rms_norm(x, hidden, 0, norm_w, out, 1, t, hidden, norm_eps);
     return 0;
 }

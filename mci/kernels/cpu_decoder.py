@@ -1,22 +1,36 @@
-"""A decode step's decoder layers in a few kernel calls (cpu_decoder.c): one call from one MoE
-router to the next, where calling each layer's kernels from Python took five calls and as
-many torch ops a layer. The routers' float32 matmuls stay torch's (`TopKRouter.logits`): the
-expert choice rests on their bits. Same values as the layers' own forward, bit for bit
-(tests/test_cpu_kernels.py, test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit).
+"""A decode step's decoder in one kernel call (cpu_decoder.c), where calling each layer's
+kernels from Python took five calls and as many torch ops a layer.
+
+* `DecoderSpans.step`: the embedding rows, every layer, and the final norm in one call. The
+  routers' float32 matmuls run through the BLAS sgemm torch's `F.linear` calls (MKL's, found
+  in libtorch_cpu: `blas_sgemm`), called as F.linear calls it; the expert choice rests on
+  their bits, so a router joins only where its sgemm gives F.linear's bits at the step's row
+  count (`sgemm_is_linear`, checked once per row count).
+* `DecoderSpans.__call__`, where some router cannot (no MKL, a batch-invariant router): one
+  call from one MoE router to the next, the routers (`TopKRouter.logits`) run by torch
+  between them.
+
+Same values as the layers' own forward, bit for bit (tests/test_cpu_kernels.py,
+test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit).
 
 Measured on `small` (8 layers, 7 of them MoE), a 2-core Zen 4 EPYC, one decoding request in
 process: the Python between a step's kernel calls was ~0.33 ms of a ~2.8 ms step; old and new
-alternating, the step went 2.89 -> 2.78 and 3.04 -> 2.70 ms (p50).
+alternating, the spans took the step 2.89 -> 2.78 and 3.04 -> 2.70 ms (p50). The whole step
+in one call, against the spans, alternating blocks of 50 steps in one process: 2.45 -> 2.29
+and 2.51 -> 2.34 ms (p50).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from mci.kernels.cpu_kernels import BoundMLA, BoundMoE, KernelWeight
 
@@ -36,6 +50,7 @@ class DecodeLayer(ctypes.Structure):
         ("e", long), ("n_group", long), ("topk_group", long), ("top_k", long),
         ("norm_topk", c_int), ("scaling", c_float), ("amx_gate_up", ptr), ("amx_down", ptr),
         ("w_s_gate_up", ptr), ("w_s_down", ptr), ("s_inter", long), ("max_rows", long),
+        ("router_w", ptr),
     ]  # fmt: skip
 
 
@@ -52,36 +67,47 @@ class DecodeStep(ctypes.Structure):
 @dataclass(frozen=True)
 class KernelLayer:
     """One decoder layer as the spans run it: its fields (by DecodeLayer's names) and, for a
-    MoE layer, its router's matmul. `keep` holds what the fields' addresses point into. Made
-    by `moe_layer` or `dense_layer`."""
+    MoE layer, its router's matmul, and its float32 weight where the C code may run that
+    matmul itself (BLAS's sgemm: `blas_sgemm`). `keep` holds what the fields' addresses point
+    into. Made by `moe_layer` or `dense_layer`."""
 
     fields: dict[str, int | float | None]
     router: Callable[[torch.Tensor], torch.Tensor] | None
     keep: tuple
+    router_weight: torch.Tensor | None = None
 
 
 # DecodeLayer's fields in groups, as the C struct orders them: the attention's (BoundMLA's
-# `args`) come before `cache_row`, the MoE's (BoundMoE's `args`) from `w_gate_up` on
+# `args`) come before `cache_row`, the MoE's (BoundMoE's `args`) from `w_gate_up` up to
+# `router_w`
 _NAMES = [name for name, _ in DecodeLayer._fields_]
 _ATTENTION = set(_NAMES[: _NAMES.index("cache_row")])
-_MOE = set(_NAMES[_NAMES.index("w_gate_up") :])
+_MOE = set(_NAMES[_NAMES.index("w_gate_up") : _NAMES.index("router_w")])
 
 
-def _layer(attention: BoundMLA, norm: tuple[torch.Tensor, float], ffn: dict, router, keep):
+def _layer(attention: BoundMLA, norm: tuple[torch.Tensor, float], ffn: dict, router, keep,
+           router_weight: torch.Tensor | None = None):  # fmt: skip
     if set(attention.args) != _ATTENTION:
         raise ValueError(f"decoder span: unexpected attention fields {sorted(attention.args)}")
     fields = {**attention.args, "ffn_norm_w": norm[0].data_ptr(), "ffn_norm_eps": norm[1], **ffn}
-    return KernelLayer(fields, router, (attention, norm[0], *keep))
+    fields["router_w"] = None if router_weight is None else router_weight.data_ptr()
+    return KernelLayer(fields, router, (attention, norm[0], *keep), router_weight)
 
 
 def moe_layer(
-    attention: BoundMLA, norm: tuple[torch.Tensor, float], moe: BoundMoE, router
-) -> KernelLayer:
+    attention: BoundMLA, norm: tuple[torch.Tensor, float], moe: BoundMoE, router,
+    router_weight: torch.Tensor | None = None,
+) -> KernelLayer:  # fmt: skip
     """A MoE layer: its attention, the feed-forward's RMSNorm (weight, eps), the one-call MoE
-    (shared experts inside) and its router's matmul."""
+    (shared experts inside) and its router's matmul; `router_weight`: that matmul's float32
+    weight [experts, hidden] where it is a plain `F.linear` on it (None: Python runs it)."""
     if set(moe.args) != _MOE:
         raise ValueError(f"decoder span: unexpected MoE fields {sorted(moe.args)}")
-    return _layer(attention, norm, {**moe.args, "moe": 1}, router, (moe,))
+    if router_weight is not None and (
+        router_weight.dtype != torch.float32 or not router_weight.is_contiguous()
+    ):
+        raise ValueError("decoder span: a router's weight must be float32 and contiguous")
+    return _layer(attention, norm, {**moe.args, "moe": 1}, router, (moe,), router_weight)
 
 
 def dense_layer(
@@ -91,6 +117,58 @@ def dense_layer(
     """A dense layer: its attention, the feed-forward's RMSNorm, the gated MLP's weights."""
     ffn = {"moe": 0, "w_gate_up": gate_up.address, "w_down": down.address, "inter": down.k}
     return _layer(attention, norm, ffn, None, (gate_up, down))
+
+
+@functools.lru_cache(maxsize=1)
+def blas_sgemm() -> int | None:
+    """The address of the BLAS sgemm that torch's float32 `F.linear` calls on the CPU (MKL's,
+    in libtorch_cpu), or None where torch has no MKL or that library has no such symbol."""
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        return ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+_SGEMM = ctypes.CFUNCTYPE(None, *[ptr] * 13)
+
+
+def sgemm_linear(sgemm: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [t, k] @ weight [n, k]^T through `sgemm` as cpu_decoder.c's router_logits calls it
+    (float32, both contiguous)."""
+    (t, k), n = x.shape, weight.shape[0]
+    out = torch.empty(t, n, dtype=torch.float32)
+    m_, n_, k_ = ctypes.c_int(n), ctypes.c_int(t), ctypes.c_int(k)
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    args = (b"T", b"N", m_, n_, k_, one, weight.data_ptr(), k_, x.data_ptr(), k_, zero)
+    refs = [a if isinstance(a, (bytes, int)) else ctypes.byref(a) for a in args]
+    _SGEMM(sgemm)(*refs, out.data_ptr(), ctypes.byref(m_))
+    return out
+
+
+def sgemm_is_linear(sgemm: int, weight: torch.Tensor, rows: int, trials: int = 4) -> bool:
+    """Whether `sgemm` gives `F.linear`'s bits on `weight` at `rows` rows (seeded random rows,
+    some scaled up): where it does, the C code may run that matmul itself."""
+    gen = torch.Generator().manual_seed(rows)
+    for i in range(trials):
+        x = torch.randn(rows, weight.shape[1], generator=gen) * (1 + 7 * i)
+        if not torch.equal(sgemm_linear(sgemm, x, weight), F.linear(x, weight)):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class StepEnds:
+    """What a whole decode step adds around the layers (`DecoderSpans.step`): the token
+    embedding (bf16 [vocab, hidden], contiguous), the final RMSNorm (bf16 weight, eps) and
+    the BLAS sgemm the routers run through (`blas_sgemm`)."""
+
+    embed: torch.Tensor
+    norm_weight: torch.Tensor
+    norm_eps: float
+    sgemm: int
 
 
 class _Span(NamedTuple):
@@ -107,9 +185,18 @@ class DecoderSpans:
     span runs from after one MoE layer's norm to the next MoE layer's norm; between spans,
     that layer's router."""
 
-    def __init__(self, kernels, layers: list[KernelLayer], rows: int):
+    def __init__(self, kernels, layers: list[KernelLayer], rows: int, ends: StepEnds | None = None):
         self._call = kernels._decoder_span
+        self._step = kernels._decoder_step
         self.rows = rows  # the step size the layers were bound at (their kernels' limits)
+        # `step` runs (one C call a step) where every router's matmul can go through `ends`'
+        # sgemm with F.linear's bits at this row count
+        routers = [layer.router_weight for layer in layers if layer.router is not None]
+        self.ends = ends
+        self.whole_step = ends is not None and all(
+            w is not None and sgemm_is_linear(ends.sgemm, w, rows) for w in routers
+        )
+        self._experts = max((w.shape[0] for w in routers if w is not None), default=1)
         self._layers = layers  # keeps every address the structs hold alive
         self._structs = (DecodeLayer * len(layers))(
             *(DecodeLayer(cache_row=i, **layer.fields) for i, layer in enumerate(layers))
@@ -128,21 +215,59 @@ class DecoderSpans:
             for f, first, n in bounds
         ]
 
-    def __call__(self, x, cos, sin, kv_cache, write_slots, kv_slots, lengths) -> torch.Tensor:
-        t, hidden = x.shape
+    def step(self, ids, positions, cos_table, sin_table, kv_cache, write_slots, kv_slots,
+             lengths) -> torch.Tensor:  # fmt: skip
+        """The whole decoder of a decode step in one C call (`whole_step` only): ids [t] ->
+        the final norm's bf16 [t, hidden], as the model's forward computes it (embedding rows,
+        `__call__`'s layers with the routers in C, the final RMSNorm); the rope rows are
+        looked up in the float32 tables [positions, rope/2] at `positions` [t]."""
+        if not self.whole_step:
+            raise ValueError("decoder spans: a router's matmul cannot run in C")
+        t, ends = ids.shape[0], self.ends
+        self._check(t, kv_cache, kv_slots)
+        ids, positions = ids.to(torch.long).contiguous(), positions.to(torch.long).contiguous()
+        vocab, hidden = ends.embed.shape
+        x, h, normed = (torch.empty(t, hidden, dtype=torch.float32) for _ in range(3))
+        logits = torch.empty(t, self._experts, dtype=torch.float32)
+        out = torch.empty(t, hidden, dtype=ends.embed.dtype)
+        step = self._step_struct(t, hidden, kv_cache, write_slots, kv_slots, lengths)
+        status = self._step(
+            ctypes.byref(step), self._structs, len(self._layers), ends.sgemm, ids.data_ptr(),
+            ends.embed.data_ptr(), vocab, cos_table.data_ptr(), sin_table.data_ptr(),
+            cos_table.shape[0], cos_table.shape[1], positions.data_ptr(),
+            ends.norm_weight.data_ptr(), ends.norm_eps, out.data_ptr(), x.data_ptr(),
+            h.data_ptr(), normed.data_ptr(), logits.data_ptr(),
+        )  # fmt: skip
+        if status == -2:
+            raise IndexError("decoder spans: a token id outside the vocabulary or a position "
+                             "outside the rope tables")  # fmt: skip
+        if status != 0:  # never at the rows a layer binds at (decode_on_kernels)
+            raise ValueError(f"decoder step: status {status}")
+        return out
+
+    def _check(self, t: int, kv_cache, kv_slots) -> None:
         if t != self.rows:
             raise ValueError(f"decoder spans bound for {self.rows} rows, called with {t}")
         if kv_slots.stride(1) != 1 or not kv_cache.is_contiguous():  # the caller checks
             raise ValueError("decoder spans: cache rows and slots must be contiguous")
+
+    @staticmethod
+    def _step_struct(t, hidden, kv_cache, write_slots, kv_slots, lengths, cos=None, sin=None):
+        return DecodeStep(
+            t, hidden, None if cos is None else cos.data_ptr(),
+            None if sin is None else sin.data_ptr(), kv_cache.data_ptr(), kv_cache.stride(0),
+            write_slots.data_ptr(), kv_slots.data_ptr(), kv_slots.stride(0), lengths.data_ptr(),
+        )  # fmt: skip
+
+    def __call__(self, x, cos, sin, kv_cache, write_slots, kv_slots, lengths) -> torch.Tensor:
+        t, hidden = x.shape
+        self._check(t, kv_cache, kv_slots)
         if x.dtype != torch.float32 or not x.is_contiguous():  # the calls update it in place
             raise ValueError("decoder spans: x must be float32 and contiguous")
         cos, sin = cos.contiguous(), sin.contiguous()
         h = torch.empty(t, hidden, dtype=torch.float32)
         normed = torch.empty(t, hidden, dtype=torch.float32)
-        step = DecodeStep(
-            t, hidden, cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(), kv_cache.stride(0),
-            write_slots.data_ptr(), kv_slots.data_ptr(), kv_slots.stride(0), lengths.data_ptr(),
-        )  # fmt: skip
+        step = self._step_struct(t, hidden, kv_cache, write_slots, kv_slots, lengths, cos, sin)
         step_ref, x_ptr, h_ptr = ctypes.byref(step), x.data_ptr(), h.data_ptr()
         normed_ptr = normed.data_ptr()
         for span in self._spans:

@@ -251,6 +251,11 @@ class CpuKernels:
         self._decoder_span = lib.mci_decoder_span  # cpu_decoder.py
         self._decoder_span.argtypes = [ptr, ptr, ptr, ptr, long, ptr, ptr, ptr]
         self._decoder_span.restype = ctypes.c_int
+        self._decoder_step = lib.mci_decoder_step
+        self._decoder_step.argtypes = [ptr, ptr, long, ptr, ptr, ptr, long, ptr, ptr, long,
+                                       long, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, ptr,
+                                       ptr]  # fmt: skip
+        self._decoder_step.restype = ctypes.c_int
 
     def prefill_attention(
         self,

@@ -76,6 +76,11 @@ class RotaryEmbedding(nn.Module):
         self.cos_table = freqs.cos() * self.attention_factor
         self.sin_table = freqs.sin() * self.attention_factor
 
+    def tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin tables [positions, dim/2] float32, covering `max_position`."""
+        self._ensure(max_position + 1)
+        return self.cos_table, self.sin_table
+
     def cos_sin(
         self, positions: torch.Tensor, max_position: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mci.kernels import cpu_kernels
-from mci.kernels.cpu_decoder import DecoderSpans
+from mci.kernels.cpu_decoder import DecoderSpans, StepEnds, blas_sgemm
 from mci.layers.attention import (
     ATTENTION_KEY_MULTIPLE,
     CASCADE_MIN_PREFIX,
@@ -261,12 +261,17 @@ class DeepseekV3ForCausalLM(nn.Module):
     def hidden_states(self, input_ids, meta, kv_cache, attention_path: str = "auto"):
         """`forward` without inference mode, so autograd can follow it (training)."""
         absorbed = self.resolve_path(meta, attention_path)
+        spans = self._decode_on_kernels(input_ids.shape[0], meta, absorbed, kv_cache)
+        if spans is not None:
+            group = meta.groups[0]
+            slots = (meta.write_slots, group.kv_slots, group.lengths)
+            if spans.whole_step:  # embedding to final norm in one C call
+                tables = self.rotary.tables(meta.max_position)
+                return spans.step(input_ids, meta.positions, *tables, kv_cache, *slots)
         rope = self.rope_for(meta)
         x = self.model.embed_tokens(input_ids).float()  # the residual stream is float32
-        spans = self._decode_on_kernels(x.shape[0], meta, absorbed, kv_cache)
         if spans is not None:  # every layer's kernel calls, bound once; x is updated in place
-            group = meta.groups[0]
-            x = spans(x, *rope, kv_cache, meta.write_slots, group.kv_slots, group.lengths)
+            x = spans(x, *rope, kv_cache, *slots)
         else:
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, meta, rope, kv_cache[i], absorbed)
@@ -287,9 +292,26 @@ class DeepseekV3ForCausalLM(nn.Module):
             return None
         if rows not in self._kernel_spans:
             layers = [layer.decode_on_kernels(rows) for layer in self.model.layers]
-            spans = None if None in layers else DecoderSpans(self.cpu_kernels, layers, rows)
+            spans = None
+            if None not in layers:
+                spans = DecoderSpans(self.cpu_kernels, layers, rows, self._step_ends())
             self._kernel_spans[rows] = spans
         return self._kernel_spans[rows]
+
+    def _step_ends(self) -> StepEnds | None:
+        """What the decoder spans need to run a whole step in C (the embedding, the final
+        norm, BLAS's sgemm for the routers), or None where some part is not as they read it."""
+        embed, norm, sgemm = self.model.embed_tokens, self.model.norm, blas_sgemm()
+        if (
+            sgemm is None
+            or embed.parallel.tp_size != 1
+            or embed.weight.dtype != torch.bfloat16
+            or not embed.weight.is_contiguous()
+            or norm.kernels is None
+            or self.rotary.cos_table.dtype != torch.float32
+        ):
+            return None
+        return StepEnds(embed.weight.detach(), norm.weight.detach(), norm.eps, sgemm)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
