@@ -520,22 +520,26 @@ def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(
     same hidden states, logits and cache writes as the layers' own forward, for 1, 3 and the
     kernels' most rows (dense and MoE layers in any order, the shared experts inside the
     call, with and without q_lora); a prefill step does not. With BLAS's sgemm found, the
-    whole step (embedding, routers, final norm) is one C call; without, the routers run in
-    Python between the spans."""
+    whole step (embedding, routers, final norm) is one C call, and `decode_logits` adds the LM
+    head to it; without, the routers run in Python between the spans."""
     if not whole_step:
         monkeypatch.setattr(deepseek_v3, "blas_sgemm", lambda: None)
     model = load_model(checkpoint(dtype="bfloat16", **config), "bfloat16")
     model.pack_for_cpu()
     bound = model._decode_on_kernels
+
+    def fresh_cache():
+        cache = model.allocate_kv_cache(2048)
+        return cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(2)))
+
     for rows in (1, 3, matvec.max_rows):
         results = []
+        chunks = [SequenceChunk(torch.arange(b * 60, b * 60 + 40 + b), 1) for b in range(rows)]
+        meta = AttentionMetadata.build(chunks, "cpu", model.attention_layout)
+        ids = torch.randint(0, 2048, (rows,), generator=torch.Generator().manual_seed(rows))
         for take in (True, False):
             model._decode_on_kernels = bound if take else (lambda *args: None)
-            cache = model.allocate_kv_cache(2048)
-            cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(2)))
-            chunks = [SequenceChunk(torch.arange(b * 60, b * 60 + 40 + b), 1) for b in range(rows)]
-            meta = AttentionMetadata.build(chunks, "cpu", model.attention_layout)
-            ids = torch.randint(0, 2048, (rows,), generator=torch.Generator().manual_seed(rows))
+            cache = fresh_cache()
             with torch.inference_mode():
                 hidden = model(ids, meta, cache)
                 results.append((hidden, model.logits(hidden), cache))
@@ -544,6 +548,12 @@ def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(
         assert spans.whole_step == whole_step  # embedding to final norm in one call
         for got, want in zip(results[0], results[1], strict=True):
             assert torch.equal(got, want)
+        model._decode_on_kernels = bound
+        cache = fresh_cache()
+        logits = model.decode_logits(ids, meta, cache)
+        assert (logits is not None) == whole_step
+        if logits is not None:  # the same logits and cache writes in one call
+            assert torch.equal(logits, results[1][1]) and torch.equal(cache, results[1][2])
     del model._decode_on_kernels  # the class's method again
     prefill = AttentionMetadata.build(
         [SequenceChunk(torch.arange(30), 30)], "cpu", model.attention_layout

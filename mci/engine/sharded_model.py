@@ -27,6 +27,7 @@ log = logging.getLogger("mci")
 CALLS = frozenset(
     {
         "forward",
+        "decode_logits",
         "logits",
         "mtp_hidden",
         "mtp_logits",

@@ -132,15 +132,18 @@ static void router_logits(Sgemm sgemm, const float *w, const float *x, long t, l
  * to float32 into x), their rope rows (cos/sin tables [table_rows, half] float32) at
  * `positions`, every layer's span with each MoE router's matmul in between (`sgemm`, on the
  * layer's router_w, which none may lack), and the final RMSNorm into `out` (bf16 [t, hidden]).
- * x, h and normed as mci_decoder_span's; logits float32 [t, max e] room. The same values as the
- * model's forward on that step: the same lookups, kernels and BLAS call, in the same order.
+ * x, h and normed as mci_decoder_span's; logits float32 [t, max e] room. With `head`, the LM
+ * head's matmul [head_rows, hidden] of `out` too, into head_out (bf16 [t, head_rows]). The same
+ * values as the model's forward (and its lm_head) on that step: the same lookups, kernels and
+ * BLAS call, in the same order.
  * Returns mci_decoder_span's status, -2 for an id outside [0, vocab) or a position outside
  * the tables, -3 for a MoE layer without router_w. */
 int mci_decoder_step(const DecodeStep *s, const DecodeLayer *layers, long count, Sgemm sgemm,
                      const int64_t *ids, const uint16_t *embed, long vocab,
                      const float *cos_table, const float *sin_table, long table_rows,
                      long half, const int64_t *positions, const uint16_t *norm_w, float norm_eps,
-                     uint16_t *out, float *x, float *h, void *normed, float *logits) {
+                     uint16_t *out, float *x, float *h, void *normed, float *logits,
+                     const Weight *head, long head_rows, uint16_t *head_out) {
     const long t = s->t, hidden = s->hidden;
     if (t <= 0) return 0;
     for (long i = 0; i < t; i++)
@@ -173,5 +176,6 @@ int mci_decoder_step(const DecodeStep *s, const DecodeLayer *layers, long count,
         start = i + 1;
     }
     mci_rms_norm(x, hidden, 0, norm_w, out, 1, t, hidden, norm_eps);
+    if (head) mci_linear(out, hidden, head, head_out, head_rows, t, head_rows, hidden);
     return 0;
 }

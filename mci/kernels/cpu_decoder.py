@@ -162,13 +162,15 @@ def sgemm_is_linear(sgemm: int, weight: torch.Tensor, rows: int, trials: int = 4
 @dataclass(frozen=True)
 class StepEnds:
     """What a whole decode step adds around the layers (`DecoderSpans.step`): the token
-    embedding (bf16 [vocab, hidden], contiguous), the final RMSNorm (bf16 weight, eps) and
-    the BLAS sgemm the routers run through (`blas_sgemm`)."""
+    embedding (bf16 [vocab, hidden], contiguous), the final RMSNorm (bf16 weight, eps), the
+    BLAS sgemm the routers run through (`blas_sgemm`) and, where the step may end with the
+    logits too, the LM head's bf16 weight as the kernels read it (None: it may not)."""
 
     embed: torch.Tensor
     norm_weight: torch.Tensor
     norm_eps: float
     sgemm: int
+    head: KernelWeight | None = None
 
 
 class _Span(NamedTuple):
@@ -216,34 +218,41 @@ class DecoderSpans:
         ]
 
     def step(self, ids, positions, cos_table, sin_table, kv_cache, write_slots, kv_slots,
-             lengths) -> torch.Tensor:  # fmt: skip
+             lengths, logits: bool = False):  # fmt: skip
         """The whole decoder of a decode step in one C call (`whole_step` only): ids [t] ->
         the final norm's bf16 [t, hidden], as the model's forward computes it (embedding rows,
         `__call__`'s layers with the routers in C, the final RMSNorm); the rope rows are
-        looked up in the float32 tables [positions, rope/2] at `positions` [t]."""
+        looked up in the float32 tables [positions, rope/2] at `positions` [t]. With
+        `logits` (only where `ends.head` is set): (hidden, the LM head's bf16 [t, vocab])."""
         if not self.whole_step:
             raise ValueError("decoder spans: a router's matmul cannot run in C")
         t, ends = ids.shape[0], self.ends
+        head = ends.head if logits else None
+        if logits and head is None:
+            raise ValueError("decoder spans: no LM head bound")
         self._check(t, kv_cache, kv_slots)
         ids, positions = ids.to(torch.long).contiguous(), positions.to(torch.long).contiguous()
         vocab, hidden = ends.embed.shape
         x, h, normed = (torch.empty(t, hidden, dtype=torch.float32) for _ in range(3))
-        logits = torch.empty(t, self._experts, dtype=torch.float32)
+        router_logits = torch.empty(t, self._experts, dtype=torch.float32)
         out = torch.empty(t, hidden, dtype=ends.embed.dtype)
+        head_out = None if head is None else torch.empty(t, head.n, dtype=torch.bfloat16)
         step = self._step_struct(t, hidden, kv_cache, write_slots, kv_slots, lengths)
         status = self._step(
             ctypes.byref(step), self._structs, len(self._layers), ends.sgemm, ids.data_ptr(),
             ends.embed.data_ptr(), vocab, cos_table.data_ptr(), sin_table.data_ptr(),
             cos_table.shape[0], cos_table.shape[1], positions.data_ptr(),
             ends.norm_weight.data_ptr(), ends.norm_eps, out.data_ptr(), x.data_ptr(),
-            h.data_ptr(), normed.data_ptr(), logits.data_ptr(),
+            h.data_ptr(), normed.data_ptr(), router_logits.data_ptr(),
+            None if head is None else head.address, 0 if head is None else head.n,
+            None if head_out is None else head_out.data_ptr(),
         )  # fmt: skip
         if status == -2:
             raise IndexError("decoder spans: a token id outside the vocabulary or a position "
                              "outside the rope tables")  # fmt: skip
         if status != 0:  # never at the rows a layer binds at (decode_on_kernels)
             raise ValueError(f"decoder step: status {status}")
-        return out
+        return out if head is None else (out, head_out)
 
     def _check(self, t: int, kv_cache, kv_slots) -> None:
         if t != self.rows:

@@ -254,7 +254,7 @@ class CpuKernels:
         self._decoder_step = lib.mci_decoder_step
         self._decoder_step.argtypes = [ptr, ptr, long, ptr, ptr, ptr, long, ptr, ptr, long,
                                        long, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, ptr,
-                                       ptr]  # fmt: skip
+                                       ptr, ptr, long, ptr]  # fmt: skip
         self._decoder_step.restype = ctypes.c_int
 
     def prefill_attention(

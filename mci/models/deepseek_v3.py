@@ -294,13 +294,15 @@ class DeepseekV3ForCausalLM(nn.Module):
             layers = [layer.decode_on_kernels(rows) for layer in self.model.layers]
             spans = None
             if None not in layers:
-                spans = DecoderSpans(self.cpu_kernels, layers, rows, self._step_ends())
+                spans = DecoderSpans(self.cpu_kernels, layers, rows, self._step_ends(rows))
             self._kernel_spans[rows] = spans
         return self._kernel_spans[rows]
 
-    def _step_ends(self) -> StepEnds | None:
-        """What the decoder spans need to run a whole step in C (the embedding, the final
-        norm, BLAS's sgemm for the routers), or None where some part is not as they read it."""
+    def _step_ends(self, rows: int) -> StepEnds | None:
+        """What the decoder spans need to run a whole step of `rows` rows in C (the
+        embedding, the final norm, BLAS's sgemm for the routers, and the LM head where its
+        `logits` would run on the kernels too), or None where some part is not as they read
+        it."""
         embed, norm, sgemm = self.model.embed_tokens, self.model.norm, blas_sgemm()
         if (
             sgemm is None
@@ -311,7 +313,28 @@ class DeepseekV3ForCausalLM(nn.Module):
             or self.rotary.cos_table.dtype != torch.float32
         ):
             return None
-        return StepEnds(embed.weight.detach(), norm.weight.detach(), norm.eps, sgemm)
+        head = self.lm_head  # as its forward takes the kernels: bf16, at this row count
+        on_kernels = head.kernel is not None and not head.kernel.fp8 and head.skinny(rows)
+        whole = on_kernels and head.parallel.tp_size == 1
+        ends = (embed.weight.detach(), norm.weight.detach(), norm.eps, sgemm)
+        return StepEnds(*ends, head.kernel if whole else None)
+
+    @torch.inference_mode()
+    def decode_logits(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+    ) -> torch.Tensor | None:
+        """`logits(forward(...))` of a step whose every row samples, in one kernel call where
+        the whole step runs on the kernels (the decoder spans with the LM head bound); None
+        (nothing run) elsewhere: the caller runs `forward`, then `logits`. Writes the step's
+        latents as `forward` does."""
+        absorbed = self.resolve_path(meta, "auto")
+        spans = self._decode_on_kernels(input_ids.shape[0], meta, absorbed, kv_cache)
+        if spans is None or not spans.whole_step or spans.ends.head is None:
+            return None
+        group, tables = meta.groups[0], self.rotary.tables(meta.max_position)
+        slots = (meta.write_slots, group.kv_slots, group.lengths)
+        _, logits = spans.step(input_ids, meta.positions, *tables, kv_cache, *slots, logits=True)
+        return logits.float()  # lm_head.logits's float32
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

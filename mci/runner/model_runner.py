@@ -66,6 +66,12 @@ class ModelRunner:
             offset += n
         meta = AttentionMetadata.build(chunks, self.device, self.model.attention_layout)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if not score_rows and self.speculator is None and len(sample_rows) == offset:
+            # every row samples (a decode step): forward and logits in one kernel call
+            logits = self.model.decode_logits(input_ids, meta, self.kv_cache)
+            if logits is not None:
+                self.forwards += 1
+                return self._sample_and_verify(batch, logits.cpu())
         hidden = self.model(input_ids, meta, self.kv_cache)
         self.forwards += 1
         if not score_rows and not sample_rows and self.speculator is None:
