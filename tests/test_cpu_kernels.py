@@ -550,7 +550,9 @@ def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(
             assert torch.equal(got, want)
         model._decode_on_kernels = bound
         cache = fresh_cache()
-        logits = model.decode_logits(ids, meta, cache)
+        assert model.decode_logits(ids, meta, cache) is None  # outside inference mode
+        with torch.inference_mode():
+            logits = model.decode_logits(ids, meta, cache)
         assert (logits is not None) == whole_step
         if logits is not None:  # the same logits and cache writes in one call
             assert torch.equal(logits, results[1][1]) and torch.equal(cache, results[1][2])

@@ -163,7 +163,10 @@ class KVCacheManager:
         if n > self.pool.num_free:
             return False
         start = request.num_slots
-        request.slots[start : start + n] = self.pool.alloc(n)
+        room = request.slots[start : start + n]
+        if room.shape[0] != n:  # past the request's slot buffer: nothing is taken
+            raise RuntimeError(f"{request.request_id}: {n} slots past its slot buffer")
+        self.pool.alloc_into(room)
         request.num_slots += n
         return True
 

@@ -133,17 +133,18 @@ static void router_logits(Sgemm sgemm, const float *w, const float *x, long t, l
  * `positions`, every layer's span with each MoE router's matmul in between (`sgemm`, on the
  * layer's router_w, which none may lack), and the final RMSNorm into `out` (bf16 [t, hidden]).
  * x, h and normed as mci_decoder_span's; logits float32 [t, max e] room. With `head`, the LM
- * head's matmul [head_rows, hidden] of `out` too, into head_out (bf16 [t, head_rows]). The same
+ * head's matmul [head_rows, hidden] of `out` too, rounded to bf16 as the kernels' matmuls are,
+ * then widened into head_out (float32 [t, head_rows]: lm_head.logits's values). The same
  * values as the model's forward (and its lm_head) on that step: the same lookups, kernels and
  * BLAS call, in the same order.
  * Returns mci_decoder_span's status, -2 for an id outside [0, vocab) or a position outside
- * the tables, -3 for a MoE layer without router_w. */
+ * the tables, -3 for a MoE layer without router_w, -4 where memory ran out. */
 int mci_decoder_step(const DecodeStep *s, const DecodeLayer *layers, long count, Sgemm sgemm,
                      const int64_t *ids, const uint16_t *embed, long vocab,
                      const float *cos_table, const float *sin_table, long table_rows,
                      long half, const int64_t *positions, const uint16_t *norm_w, float norm_eps,
                      uint16_t *out, float *x, float *h, void *normed, float *logits,
-                     const Weight *head, long head_rows, uint16_t *head_out) {
+                     const Weight *head, long head_rows, float *head_out) {
     const long t = s->t, hidden = s->hidden;
     if (t <= 0) return 0;
     for (long i = 0; i < t; i++)
@@ -176,6 +177,12 @@ int mci_decoder_step(const DecodeStep *s, const DecodeLayer *layers, long count,
         start = i + 1;
     }
     mci_rms_norm(x, hidden, 0, norm_w, out, 1, t, hidden, norm_eps);
-    if (head) mci_linear(out, hidden, head, head_out, head_rows, t, head_rows, hidden);
+    if (head) {
+        uint16_t *bf = malloc(sizeof(uint16_t) * t * head_rows);
+        if (!bf) return -4;
+        mci_linear(out, hidden, head, bf, head_rows, t, head_rows, hidden);
+        for (long i = 0; i < t * head_rows; i++) head_out[i] = bf16_to_float(bf[i]);
+        free(bf);
+    }
     return 0;
 }

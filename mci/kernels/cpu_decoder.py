@@ -223,7 +223,8 @@ class DecoderSpans:
         the final norm's bf16 [t, hidden], as the model's forward computes it (embedding rows,
         `__call__`'s layers with the routers in C, the final RMSNorm); the rope rows are
         looked up in the float32 tables [positions, rope/2] at `positions` [t]. With
-        `logits` (only where `ends.head` is set): (hidden, the LM head's bf16 [t, vocab])."""
+        `logits` (only where `ends.head` is set): (hidden, the LM head's logits float32
+        [t, vocab], lm_head.logits's values)."""
         if not self.whole_step:
             raise ValueError("decoder spans: a router's matmul cannot run in C")
         t, ends = ids.shape[0], self.ends
@@ -236,7 +237,7 @@ class DecoderSpans:
         x, h, normed = (torch.empty(t, hidden, dtype=torch.float32) for _ in range(3))
         router_logits = torch.empty(t, self._experts, dtype=torch.float32)
         out = torch.empty(t, hidden, dtype=ends.embed.dtype)
-        head_out = None if head is None else torch.empty(t, head.n, dtype=torch.bfloat16)
+        head_out = None if head is None else torch.empty(t, head.n, dtype=torch.float32)
         step = self._step_struct(t, hidden, kv_cache, write_slots, kv_slots, lengths)
         status = self._step(
             ctypes.byref(step), self._structs, len(self._layers), ends.sgemm, ids.data_ptr(),

@@ -82,6 +82,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         # rows -> the decoder layers' kernel spans, or None (`_decode_on_kernels`); emptied
         # whenever the kernels or the batch-invariant mode change which path a layer takes
         self._kernel_spans: dict[int, DecoderSpans | None] = {}
+        self._layout: tuple | None = None  # (what it depends on, attention_layout)
 
     @property
     def num_cache_layers(self) -> int:
@@ -95,6 +96,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         Idempotent."""
         self.skinny_kernels = skinny_kernels
         self._kernel_spans.clear()
+        self._layout = None
         packed = sum(
             m.pack_for_cpu(skinny_kernels) for m in self.modules() if isinstance(m, Linear)
         )
@@ -178,6 +180,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 module.set_batch_invariant(enabled)
         self.batch_invariant = enabled
         self._kernel_spans.clear()
+        self._layout = None
 
     @property
     def attention_layout(self) -> AttentionLayout:
@@ -185,7 +188,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         every row alone in the decode group (or keys padded, without the kernels); with the
         CPU kernels, sequences of a few new tokens (a speculative
         verification's k + 1) attend in the decode group, read in place; on the CPU, a shared
-        cached prefix attends once (cascade attention)."""
+        cached prefix attends once (cascade attention). Worked out once per (kernels, mode):
+        every step asks."""
+        key = (self.cpu_kernels, self.batch_invariant)
+        if self._layout is None or self._layout[0] != key:
+            self._layout = (key, self._attention_layout())
+        return self._layout[1]
+
+    def _attention_layout(self) -> AttentionLayout:
         in_place = self.cpu_kernels is not None and self.dtype == torch.bfloat16
         if self.batch_invariant:  # every row alone in the decode kernel, else padded SDPA
             attention = self.model.layers[0].self_attn
@@ -319,12 +329,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         ends = (embed.weight.detach(), norm.weight.detach(), norm.eps, sgemm)
         return StepEnds(*ends, head.kernel if whole else None)
 
-    @torch.inference_mode()
     def decode_logits(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
     ) -> torch.Tensor | None:
         """`logits(forward(...))` of a step whose every row samples, in one kernel call where
-        the whole step runs on the kernels (the decoder spans with the LM head bound); None
+        the whole step runs on the kernels (the decoder spans with the LM head bound; in
+        inference mode, which the caller enters: no decorator on this per-step path); None
         (nothing run) elsewhere: the caller runs `forward`, then `logits`. Writes the step's
         latents as `forward` does."""
         absorbed = self.resolve_path(meta, "auto")
@@ -334,7 +344,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         group, tables = meta.groups[0], self.rotary.tables(meta.max_position)
         slots = (meta.write_slots, group.kv_slots, group.lengths)
         _, logits = spans.step(input_ids, meta.positions, *tables, kv_cache, *slots, logits=True)
-        return logits.float()  # lm_head.logits's float32
+        return logits
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -69,9 +69,9 @@ class ModelRunner:
         if not score_rows and self.speculator is None and len(sample_rows) == offset:
             # every row samples (a decode step): forward and logits in one kernel call
             logits = self.model.decode_logits(input_ids, meta, self.kv_cache)
-            if logits is not None:
+            if logits is not None:  # on the CPU: the kernels ran it
                 self.forwards += 1
-                return self._sample_and_verify(batch, logits.cpu())
+                return self._sample_and_verify(batch, logits)
         hidden = self.model(input_ids, meta, self.kv_cache)
         self.forwards += 1
         if not score_rows and not sample_rows and self.speculator is None:

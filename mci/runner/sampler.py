@@ -131,6 +131,19 @@ def _apply_grammars(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     backend.apply_bitmask(logits, bitmask, masked)
 
 
+def _processed(row: SampleRow) -> bool:
+    """Whether a row's logits may change before the draw (logit_bias, penalties, stop tokens
+    masked before min_tokens, a grammar): a step of plain rows skips the copy and the passes
+    (each a few microseconds between the weight-streaming kernels, which leave caches cold)."""
+    p = row.request.params
+    return bool(
+        p.logit_bias
+        or p.has_penalties
+        or row.output_position < p.min_new_tokens
+        or row.request.grammar is not None
+    )
+
+
 def sample(
     logits: torch.Tensor, rows: list[SampleRow | Request], eos_ids: tuple[int, ...]
 ) -> Draws:
@@ -141,13 +154,14 @@ def sample(
     reqs = [r.request for r in rows]
     want_lp = [r.params.logprobs is not None for r in reqs]
     raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-    logits = logits.clone()
-    _apply_logit_bias(logits, reqs)
-    penalised = [i for i, r in enumerate(reqs) if r.params.has_penalties]
-    if penalised:
-        _apply_penalties(logits, penalised, rows)
-    _mask_stop_tokens_before_min(logits, rows, eos_ids)
-    _apply_grammars(logits, rows)
+    if any(_processed(row) for row in rows):  # the caller's logits stay as they are
+        logits = logits.clone()
+        _apply_logit_bias(logits, reqs)
+        penalised = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+        if penalised:
+            _apply_penalties(logits, penalised, rows)
+        _mask_stop_tokens_before_min(logits, rows, eos_ids)
+        _apply_grammars(logits, rows)
 
     tokens = logits.argmax(dim=-1)
     # greedy rows decided in Python: a single greedy stream's step spends three torch ops less
