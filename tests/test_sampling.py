@@ -8,7 +8,7 @@ import torch
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
 from mci.errors import UserError
-from mci.runner.sampler import sample
+from mci.runner.sampler import _argmax, sample
 
 
 def _req(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
@@ -142,3 +142,16 @@ def test_invalid_params_are_user_errors(bad):
 def test_values_the_engine_cannot_take_are_rejected_up_front(bad):
     with pytest.raises(UserError):
         SamplingParams(**bad)
+
+
+def test_the_greedy_argmax_picks_as_torch_does():
+    """The sampler's argmax (numpy's on the CPU) picks torch.argmax's index: the first of tied
+    maxima, a row's first NaN, the first of an all -inf row."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        v = torch.randn(4, 64, generator=gen)
+        v[0, 9] = v[0, 40] = v[0].max() + 1  # a tie
+        v[1, 13] = v[1, 50] = float("nan")
+        v[2] = float("-inf")
+        v[3, 5] = v[3, 6] = float("inf")
+        assert torch.equal(_argmax(v), v.argmax(dim=-1))

@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from typing import Protocol
 
+import torch
+
 from mci.cache.kv_manager import KVCacheManager
 from mci.core.outputs import RequestOutput
 from mci.core.request import Request
@@ -186,7 +188,18 @@ class EngineCore:
         return self.scheduler.abort_all(error)
 
     def step(self) -> list[RequestOutput]:
-        """Advance every runnable request by one step; returns the step's outputs."""
+        """Advance every runnable request by one step; returns the step's outputs.
+
+        The whole step runs in torch's inference mode, not only the forward: the scheduler's
+        and the output side's tensor ops (slot copies, metadata) skip autograd's bookkeeping
+        too, and the runner does not enter it again. Measured on `small`, one decoding
+        request, blocks of 50 steps alternating in one process: 2.49 -> 2.38 and 2.60 -> 2.49
+        ms (p50). Tensors it makes are inference tensors; what outlives a step (a request's
+        slot buffer) is made outside it."""
+        with torch.inference_mode():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         self.between_steps(stepping=True)
         sched = self.scheduler
         outputs = sched.take_handoffs() + sched.expire_deadlines() + sched.reject_failed_grammars()

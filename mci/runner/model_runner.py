@@ -41,7 +41,6 @@ class ModelRunner:
         self.device = model.lm_head.weight.device
         self.forwards = 0  # main-model forwards run (data-parallel attention pairs them up)
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SampleResult:
         """Forward the batch, then sample each sampling item (verifying its drafts), score each
         scoring item, and draft for the next step when speculating.
@@ -50,7 +49,12 @@ class ModelRunner:
         sampling item (its last known position, then one per draft) in one call, and the
         scored prompt positions of every scoring item `SCORE_ROWS` rows at a time (echo with
         logprobs over a long prompt would otherwise hold [prompt, vocab] float32 at once).
+
+        In torch's inference mode: the caller's (an engine step enters it once), else its own.
         """
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.execute(batch)
         chunks, ids, score_rows, sample_rows = [], [], [], []
         offset = 0  # the item's first row among the step's flat tokens
         for item in batch.items:
