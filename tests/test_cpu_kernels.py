@@ -524,6 +524,8 @@ def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(
     head to it; without, the routers run in Python between the spans."""
     if not whole_step:
         monkeypatch.setattr(deepseek_v3, "blas_sgemm", lambda: None)
+    elif cpu_decoder.blas_sgemm() is None:
+        pytest.skip("torch has no MKL sgemm here")
     model = load_model(checkpoint(dtype="bfloat16", **config), "bfloat16")
     model.pack_for_cpu()
     bound = model._decode_on_kernels
@@ -630,6 +632,28 @@ def test_the_routers_sgemm_gives_f_linears_bits():
         weight = torch.randn(experts, hidden, generator=gen) * 0.05
         for rows in (1, 2, 3, 7, 16, 33, 64):
             assert cpu_decoder.sgemm_is_linear(sgemm, weight, rows)
+
+
+def test_a_whole_decode_step_waits_for_the_float32_precision_its_check_saw(checkpoint):
+    """Routers run through sgemm only at the float32 matmul precision of their bit check:
+    at another, F.linear may leave MKL, and the step goes back to torch's routers."""
+    model = load_model(checkpoint(dtype="bfloat16", size="tiny"), "bfloat16")
+    model.pack_for_cpu()
+    meta = AttentionMetadata.build(
+        [SequenceChunk(torch.arange(10), 1)], "cpu", model.attention_layout
+    )
+    with torch.inference_mode():
+        model(torch.tensor([3]), meta, model.allocate_kv_cache(64))
+    spans = model._kernel_spans[1]
+    if not spans.whole_step:
+        pytest.skip("no whole-step decoder here")
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium" if before != "medium" else "high")
+        assert not spans.runs_whole()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert spans.runs_whole()
 
 
 def test_a_whole_decode_step_refuses_an_id_outside_the_vocabulary(checkpoint):

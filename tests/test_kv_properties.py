@@ -106,6 +106,18 @@ def test_pool_detects_double_free_and_loss():
         pool.alloc(9)
 
 
+def test_pool_alloc_into_takes_nothing_when_the_copy_fails():
+    """`alloc_into` copies the slots first and pops them after: a destination of the wrong
+    shape raises and leaves every slot free; a good one gets the slots `alloc` would give."""
+    pool, twin = SlotPool(8), SlotPool(8)
+    with pytest.raises(RuntimeError):
+        pool.alloc_into(torch.empty(3, 2, dtype=torch.long))
+    assert pool.num_free == 8
+    out = torch.empty(3, dtype=torch.long)
+    pool.alloc_into(out)
+    assert pool.num_free == 5 and torch.equal(out, twin.alloc(3))
+
+
 def test_radix_split_and_lru_eviction():
     pool = SlotPool(16)
     tree = RadixCache(pool)

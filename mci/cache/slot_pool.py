@@ -33,19 +33,23 @@ class SlotPool:
 
     def alloc(self, n: int) -> torch.Tensor:
         """Take `n` free slots; returns a new [n] int64 tensor."""
-        return self._take(n).clone()
+        slots = self._top(n).clone()
+        self.num_free -= n
+        return slots
 
     def alloc_into(self, out: torch.Tensor) -> None:
         """Take `len(out)` free slots, written into `out` (no tensor made: a decode step takes
-        one slot a request, and a copy straight into its slot buffer is one torch op less)."""
-        out.copy_(self._take(out.shape[0]))
+        one slot a request, and a copy straight into its slot buffer is one torch op less).
+        Nothing is taken if the copy fails."""
+        n = out.shape[0]
+        out.copy_(self._top(n))
+        self.num_free -= n
 
-    def _take(self, n: int) -> torch.Tensor:
-        """The top `n` of the free stack, popped: a view, valid until the next free."""
+    def _top(self, n: int) -> torch.Tensor:
+        """The top `n` of the free stack, not popped (a view)."""
         if n > self.num_free:
             raise OutOfSlotsError(f"asked for {n} slots, {self.num_free} free")
-        self.num_free -= n
-        return self._free[self.num_free : self.num_free + n]
+        return self._free[self.num_free - n : self.num_free]
 
     def free(self, slots: torch.Tensor) -> None:
         """Return slots to the pool. The caller must own them (no double free; see integrity)."""

@@ -194,8 +194,10 @@ class EngineCore:
         and the output side's tensor ops (slot copies, metadata) skip autograd's bookkeeping
         too, and the runner does not enter it again. Measured on `small`, one decoding
         request, blocks of 50 steps alternating in one process: 2.49 -> 2.38 and 2.60 -> 2.49
-        ms (p50). Tensors it makes are inference tensors; what outlives a step (a request's
-        slot buffer) is made outside it."""
+        ms (p50). Tensors it makes are inference tensors, and some outlive it (radix-tree
+        slots, KV holds); none of them is ever changed in place outside a step (that would
+        raise): every in-place write outside one goes to tensors made at start-up or with the
+        request (its slot buffer is made when it is added)."""
         with torch.inference_mode():
             return self._step()
 

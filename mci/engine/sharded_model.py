@@ -27,7 +27,6 @@ log = logging.getLogger("mci")
 CALLS = frozenset(
     {
         "forward",
-        "decode_logits",
         "logits",
         "mtp_hidden",
         "mtp_logits",
@@ -69,6 +68,11 @@ class ShardedModel:
 
     def __call__(self, *args):
         return self._call("forward", *args)
+
+    def decode_logits(self, *args) -> None:
+        """Never fused across ranks: the runner then calls `forward` and `logits`, which every
+        rank runs (a rank deciding alone to fuse would skip the others' cache writes)."""
+        return None
 
     def _call(self, name: str, *args):
         """Any failure here is fatal (EngineBroken): once rank 0 has broadcast a call, a

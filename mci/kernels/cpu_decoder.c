@@ -6,8 +6,10 @@
  * normed input is in `normed`, its router's logits come from the caller), then each layer of
  * `layers`: attention (mci_mla_decode, which adds the residual), the feed-forward's RMSNorm,
  * and for a dense layer its gated MLP and residual sum. A MoE layer ends the span after its
- * norm: the caller runs the router's float32 matmul with torch (MKL's sum order, which the
- * routing's bits rest on) and passes its logits to the next span.
+ * norm: its router's float32 matmul (MKL's sum order, which the routing's bits rest on) runs
+ * between spans, and its logits go to the next span. `mci_decoder_step` runs a whole step
+ * (embedding to final norm, optionally the LM head) and the routers itself, through the BLAS
+ * sgemm torch's F.linear calls; `mci_decoder_span` alone leaves them to the caller's torch.
  *
  * Every step is the same C function the Python path calls, on the same values, and each sum
  * adds the same two float32 values as torch's `h + ffn`: the result is bit-identical to that
@@ -181,7 +183,9 @@ int mci_decoder_step(const DecodeStep *s, const DecodeLayer *layers, long count,
         uint16_t *bf = malloc(sizeof(uint16_t) * t * head_rows);
         if (!bf) return -4;
         mci_linear(out, hidden, head, bf, head_rows, t, head_rows, hidden);
-        for (long i = 0; i < t * head_rows; i++) head_out[i] = bf16_to_float(bf[i]);
+        const long n_out = t * head_rows;
+#pragma omp parallel for schedule(static) if (n_out >= PARALLEL_ELEMENTS)
+        for (long i = 0; i < n_out; i++) head_out[i] = bf16_to_float(bf[i]);
         free(bf);
     }
     return 0;

@@ -103,10 +103,15 @@ def moe_layer(
     weight [experts, hidden] where it is a plain `F.linear` on it (None: Python runs it)."""
     if set(moe.args) != _MOE:
         raise ValueError(f"decoder span: unexpected MoE fields {sorted(moe.args)}")
+    shape = (moe.args["e"], norm[0].shape[0])  # [experts, hidden]
     if router_weight is not None and (
-        router_weight.dtype != torch.float32 or not router_weight.is_contiguous()
+        router_weight.dtype != torch.float32
+        or not router_weight.is_contiguous()
+        or tuple(router_weight.shape) != shape
     ):
-        raise ValueError("decoder span: a router's weight must be float32 and contiguous")
+        raise ValueError(
+            f"decoder span: a router's weight must be float32 {list(shape)}, contiguous"
+        )
     return _layer(attention, norm, {**moe.args, "moe": 1}, router, (moe,), router_weight)
 
 
@@ -192,12 +197,17 @@ class DecoderSpans:
         self._step = kernels._decoder_step
         self.rows = rows  # the step size the layers were bound at (their kernels' limits)
         # `step` runs (one C call a step) where every router's matmul can go through `ends`'
-        # sgemm with F.linear's bits at this row count
+        # sgemm with F.linear's bits at this row count (checked once per weight shape), while
+        # float32 matmuls keep the precision they had then (another lets F.linear leave MKL)
         routers = [layer.router_weight for layer in layers if layer.router is not None]
         self.ends = ends
-        self.whole_step = ends is not None and all(
-            w is not None and sgemm_is_linear(ends.sgemm, w, rows) for w in routers
+        shapes = {tuple(w.shape): w for w in routers if w is not None}
+        self.whole_step = (
+            ends is not None
+            and None not in routers
+            and all(sgemm_is_linear(ends.sgemm, w, rows) for w in shapes.values())
         )
+        self._precision = torch.get_float32_matmul_precision()
         self._experts = max((w.shape[0] for w in routers if w is not None), default=1)
         self._layers = layers  # keeps every address the structs hold alive
         self._structs = (DecodeLayer * len(layers))(
@@ -217,6 +227,11 @@ class DecoderSpans:
             for f, first, n in bounds
         ]
 
+    def runs_whole(self) -> bool:
+        """Whether `step` may run now: bound for it, and float32 matmuls at the precision
+        its sgemm check saw."""
+        return self.whole_step and torch.get_float32_matmul_precision() == self._precision
+
     def step(self, ids, positions, cos_table, sin_table, kv_cache, write_slots, kv_slots,
              lengths, logits: bool = False):  # fmt: skip
         """The whole decoder of a decode step in one C call (`whole_step` only): ids [t] ->
@@ -225,7 +240,7 @@ class DecoderSpans:
         looked up in the float32 tables [positions, rope/2] at `positions` [t]. With
         `logits` (only where `ends.head` is set): (hidden, the LM head's logits float32
         [t, vocab], lm_head.logits's values)."""
-        if not self.whole_step:
+        if not self.runs_whole():
             raise ValueError("decoder spans: a router's matmul cannot run in C")
         t, ends = ids.shape[0], self.ends
         head = ends.head if logits else None

@@ -77,8 +77,9 @@ class DecoderLayer(nn.Module):
             kernels = mlp.experts.gate_up_proj.skinny(1)
             if not kernels.gemm and rows > kernels.expert_max_rows:
                 return None  # an expert could get more rows than the kernels' MoE takes
-            gate = mlp.gate  # a plain F.linear on its float32 weight can run in C
-            plain = not gate.batch_invariant and gate.weight.dtype == torch.float32
+            gate = mlp.gate  # a plain F.linear on its float32 weight (bound_call refuses a
+            # batch-invariant gate) can run in C
+            plain = gate.weight.dtype == torch.float32
             router_weight = gate.weight.detach().contiguous() if plain else None
             return cpu_decoder.moe_layer(
                 attention, ffn_norm, one_call[0], gate.logits, router_weight

@@ -82,7 +82,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         # rows -> the decoder layers' kernel spans, or None (`_decode_on_kernels`); emptied
         # whenever the kernels or the batch-invariant mode change which path a layer takes
         self._kernel_spans: dict[int, DecoderSpans | None] = {}
-        self._layout: tuple | None = None  # (what it depends on, attention_layout)
+        self._layout: AttentionLayout | None = None  # `attention_layout`, once worked out
 
     @property
     def num_cache_layers(self) -> int:
@@ -188,12 +188,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         every row alone in the decode group (or keys padded, without the kernels); with the
         CPU kernels, sequences of a few new tokens (a speculative
         verification's k + 1) attend in the decode group, read in place; on the CPU, a shared
-        cached prefix attends once (cascade attention). Worked out once per (kernels, mode):
-        every step asks."""
-        key = (self.cpu_kernels, self.batch_invariant)
-        if self._layout is None or self._layout[0] != key:
-            self._layout = (key, self._attention_layout())
-        return self._layout[1]
+        cached prefix attends once (cascade attention). Worked out once (every step asks), again
+        after `pack_for_cpu` or `set_batch_invariant`, which change it."""
+        if self._layout is None:
+            self._layout = self._attention_layout()
+        return self._layout
 
     def _attention_layout(self) -> AttentionLayout:
         in_place = self.cpu_kernels is not None and self.dtype == torch.bfloat16
@@ -272,16 +271,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         """`forward` without inference mode, so autograd can follow it (training)."""
         absorbed = self.resolve_path(meta, attention_path)
         spans = self._decode_on_kernels(input_ids.shape[0], meta, absorbed, kv_cache)
-        if spans is not None:
-            group = meta.groups[0]
-            slots = (meta.write_slots, group.kv_slots, group.lengths)
-            if spans.whole_step:  # embedding to final norm in one C call
-                tables = self.rotary.tables(meta.max_position)
-                return spans.step(input_ids, meta.positions, *tables, kv_cache, *slots)
+        if spans is not None and spans.runs_whole():  # embedding to final norm in one C call
+            return self._whole_step(spans, input_ids, meta, kv_cache)
         rope = self.rope_for(meta)
         x = self.model.embed_tokens(input_ids).float()  # the residual stream is float32
         if spans is not None:  # every layer's kernel calls, bound once; x is updated in place
-            x = spans(x, *rope, kv_cache, *slots)
+            group = meta.groups[0]
+            x = spans(x, *rope, kv_cache, meta.write_slots, group.kv_slots, group.lengths)
         else:
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, meta, rope, kv_cache[i], absorbed)
@@ -339,12 +335,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         latents as `forward` does."""
         absorbed = self.resolve_path(meta, "auto")
         spans = self._decode_on_kernels(input_ids.shape[0], meta, absorbed, kv_cache)
-        if spans is None or not spans.whole_step or spans.ends.head is None:
+        if spans is None or not spans.runs_whole() or spans.ends.head is None:
             return None
+        _, logits = self._whole_step(spans, input_ids, meta, kv_cache, logits=True)
+        return logits
+
+    def _whole_step(self, spans: DecoderSpans, input_ids, meta, kv_cache, logits=False):
+        """`spans.step` on the step's ids, positions, rope tables and decode group's slots."""
         group, tables = meta.groups[0], self.rotary.tables(meta.max_position)
         slots = (meta.write_slots, group.kv_slots, group.lengths)
-        _, logits = spans.step(input_ids, meta.positions, *tables, kv_cache, *slots, logits=True)
-        return logits
+        return spans.step(input_ids, meta.positions, *tables, kv_cache, *slots, logits=logits)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
