@@ -4,8 +4,9 @@ kernels from Python took five calls and as many torch ops a layer.
 * `DecoderSpans.step`: the embedding rows, every layer, and the final norm in one call. The
   routers' float32 matmuls run through the BLAS sgemm torch's `F.linear` calls (MKL's, found
   in libtorch_cpu: `blas_sgemm`), called as F.linear calls it; the expert choice rests on
-  their bits, so a router joins only where its sgemm gives F.linear's bits at the step's row
-  count (`sgemm_is_linear`, checked once per row count).
+  their bits, so the routers join only where sgemm gives F.linear's bits at the step's row
+  count (`sgemm_is_linear`, once per router weight shape when a row count is first bound) and
+  float32 matmuls keep the precision that check saw (`runs_whole`).
 * `DecoderSpans.__call__`, where some router cannot (no MKL, a batch-invariant router): one
   call from one MoE router to the next, the routers (`TopKRouter.logits`) run by torch
   between them.
