@@ -13,7 +13,7 @@ from helpers import stepwise_logits
 
 from mci.kernels import build, cpu_decoder, cpu_kernels
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
-from mci.layers.linear import bf16_matmuls_supported
+from mci.layers.linear import Linear, bf16_matmuls_supported
 from mci.layers.mlp import GatedMLP
 from mci.layers.moe import MoE
 from mci.models import deepseek_v3
@@ -588,6 +588,117 @@ def test_prefill_sized_moe_on_amx_stays_with_the_grouped_path(checkpoint):
             packed = matvec.amx_pack(gate_up)  # tile r of block (nb, kb): pairs of inputs
             tile = packed[0].flatten()[: 32 * 16].view(16, 16, 2)  # nb 0, kb 0
             assert torch.equal(tile[3, 5], gate_up[0, 5, 6:8])
+
+
+class _Sink(ctypes.Structure):
+    """cpu_kernels.h's Sink, bf16 rows."""
+
+    _fields_ = [
+        ("y", ctypes.c_void_p),
+        ("ldy", ctypes.c_long),
+        ("acc", ctypes.c_void_p),
+        ("tok", ctypes.c_void_p),
+        ("wt", ctypes.c_void_p),
+    ]
+
+
+def _amx_experts_kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T through cpu_amx.c's expert kernel, which reads an `amx_pack`ed copy of w."""
+    lib = ctypes.CDLL(str(build.built_library(matvec.isa)))  # the library `matvec` loaded
+    run = lib.mci_amx_experts_into
+    run.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, _Sink]
+    run.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+    (m, k), n = x.shape, w.shape[0]
+    packed, y = matvec.amx_pack(w[None]), torch.empty(m, n, dtype=torch.bfloat16)
+    ids, starts, counts = torch.tensor([[0], [0], [m]])
+    pointers = (ids.data_ptr(), starts.data_ptr(), counts.data_ptr())
+    run(x.data_ptr(), k, packed.data_ptr(), _Sink(y.data_ptr(), n), *pointers, 1, n, k)
+    return y
+
+
+@pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")
+@pytest.mark.parametrize(
+    "k, n", [(512, 512), (256, 1280), (64, 37), (1536, 7), (32, 4), (1024, 96), (100, 37)]
+)
+def test_amx_rows_are_the_exact_sum_rounded_once_whatever_the_rows_and_threads(k, n):
+    """A bf16 linear of AMX_ROWS rows or more on AMX tiles, the weight read in place: within a
+    bf16 step of the exact sum (nearly always on it); a row's result never depends on the
+    rows beside it, the thread count or the shares' edges; equal to the AMX expert kernel on
+    its packed copy; k not a multiple of 32 stays on the skinny kernels."""
+    g = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(40, k, generator=g).to(torch.bfloat16)
+    weight = cpu_kernels.KernelWeight(w)
+    weight.set_amx_rows(2)
+    out = matvec.linear(x, weight)
+    ref = _reference(x, w)
+    ulp = ref.float().abs().clamp(min=1e-3) * 2.0**-7
+    assert ((out.float() - ref.float()).abs() <= ulp).all()
+    assert (out == ref).float().mean() > 0.99
+    for rows in (2, 3, 16, 17, 33):
+        for start in (0, 7 - rows % 7):
+            assert torch.equal(
+                matvec.linear(x[start : start + rows], weight), out[start : start + rows]
+            )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(matvec.linear(x, weight), out)
+    finally:
+        torch.set_num_threads(threads)
+    skinny = matvec.linear(x, w)  # a plain tensor: amx_rows 0
+    if k % 32:
+        assert torch.equal(out, skinny)
+    elif n % 32 == 0:
+        assert torch.equal(out, _amx_experts_kernel(x, w))
+    assert torch.equal(matvec.linear(x[:1], weight), skinny[:1])  # one row: the skinny kernel
+
+
+@pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")
+def test_amx_expert_rows_combine_as_the_weighted_index_add_bit_for_bit():
+    """Routed experts of AMX_ROWS rows or more on AMX tiles too (each its expert's AMX
+    result), one row on the skinny kernel, and the weighted sum as the MoE's index_add."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(3, 704, 160, generator=g).to(torch.bfloat16)
+    weight = cpu_kernels.KernelWeight(w)
+    weight.set_amx_rows(2)
+    x = torch.randn(19, 160, generator=g).to(torch.bfloat16)
+    segments = torch.tensor([[2, 0, 1], [0, 13, 18], [13, 5, 1]])  # the last expert: one row
+    tokens = torch.randint(0, 5, (19,), generator=g)
+    weights = torch.rand(19, generator=g) * 2.5
+    y = matvec.expert_linear(x, weight, segments)
+    assert torch.equal(y[:13], _amx_experts_kernel(x[:13], w[2]))
+    assert torch.equal(y[13:18], _amx_experts_kernel(x[13:18], w[0]))
+    assert torch.equal(y[18:], matvec.linear(x[18:], w[1]))
+    expected = torch.zeros(5, 704).index_add_(0, tokens, y.float() * weights[:, None])
+    out = matvec.expert_linear_combine(x, weight, segments, tokens, weights, torch.zeros(5, 704))
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")
+def test_a_model_runs_its_linears_on_amx_except_in_batch_invariance(checkpoint):
+    model = load_model(checkpoint("tiny"), "bfloat16", "cpu")
+    model.pack_for_cpu()
+
+    def amx_rows() -> set[int]:
+        return {m.kernel.struct.amx_rows for m in model.modules() if isinstance(m, Linear)}
+
+    assert amx_rows() == {cpu_kernels.AMX_ROWS}
+    model.set_batch_invariant(True)  # one kernel, oneDNN's, whatever the rows
+    assert amx_rows() == {0}
+    model.set_batch_invariant(False)
+    assert amx_rows() == {cpu_kernels.AMX_ROWS}
+
+
+def test_amx_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("MCI_CPU_AMX", "0")
+    cpu_kernels.load.cache_clear()
+    try:
+        kernels = cpu_kernels.load()
+        assert kernels is None or (not kernels.amx and kernels.amx_rows == 0)
+    finally:
+        monkeypatch.delenv("MCI_CPU_AMX")
+        cpu_kernels.load.cache_clear()
 
 
 def test_turned_off_by_the_environment(monkeypatch):

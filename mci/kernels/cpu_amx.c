@@ -149,3 +149,127 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
         _tile_release();
     }
 }
+
+/* ---- Decode-sized matmuls, the weight read in place ------------------------------------------
+ * Why: from a few rows on, the skinny kernels' vdpbf16ps is the limit on a CPU with AMX
+ * (one such port a core): a 1,536 x 512 weight, cold, took 184 us at 8 rows and 271 at 32 on
+ * the skinny kernels, 73 and 77 here (a 2-core Xeon with AMX-BF16). Where it runs:
+ * cpu_kernels.py's AMX_ROWS. AMX needs no packed copy of
+ * the weight for this: its rows are the A operand, 16 rows of 32 inputs a tile, loaded in
+ * place with the row stride; x is the B operand, packed per call (16 tokens a tile, pairs
+ * interleaved), and each C tile [16 features][16 tokens] is transposed on the way out.
+ *
+ * Each output's sum is AMX's over k in tile order, rounded once to bf16 (rne16: round_bf16's
+ * bits), whatever m, the thread count or the share: a row's result never depends on the
+ * other rows of the call. It is not the skinny kernels' sum (AMX's accumulation inside a
+ * tile step cannot be reproduced with vdpbf16ps: measured, 70% of float32 sums differ in the
+ * last bits), so the two agree within float32 summation order, one bf16 rounding apart. */
+
+/* A tile loads read 16 rows 64 bytes at a time, 2k bytes apart: the hardware
+ * prefetchers do not follow that, so while a block of 32 weight rows is multiplied, the next
+ * block (32 k bf16, contiguous) is prefetched into L2 in address order, 1/kblocks of it per
+ * k step. Measured (cold 1,536 x 512 weights, median us a call; the whole 32-request step of
+ * `small` alternating in separate processes): 1 row 71-73 -> 62-63, 8 rows 74-75 -> 68-69;
+ * the step 13.85 / 15.62 / 15.17 -> 13.96 / 14.23 / 13.81 ms. */
+
+/* x [m, k] (row stride ldx) -> B tiles: tile (tb, kb) holds 16 pair-rows x 16 tokens,
+ * packed[((tb * kblocks + kb) * 16 + p) * 16 + t] = pair p of chunk kb of token 16 tb + t
+ * (zero past m). */
+static void pack_tokens(const uint16_t *x, long ldx, long m, long k, uint32_t *packed) {
+    const long kblocks = k / 32;
+    for (long tb = 0; tb * 16 < m; tb++)
+        for (long kb = 0; kb < kblocks; kb++) {
+            __m512i r[16];
+            for (int t = 0; t < 16; t++)
+                r[t] = 16 * tb + t < m ? _mm512_loadu_si512(x + (16 * tb + t) * ldx + 32 * kb)
+                                       : _mm512_setzero_si512();
+            transpose16(r);
+            for (int p = 0; p < 16; p++)
+                _mm512_store_si512(packed + ((tb * kblocks + kb) * 16 + p) * 16, r[p]);
+        }
+}
+
+/* C tile c [16 features][16 tokens] -> the sink's rows t0 .. t0 + tokens - 1, features
+ * [n, n + feats). */
+static void store_transposed(const Sink *s, const float *c, long t0, long tokens, long n,
+                             int feats) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(c + 16 * i);
+    transpose16(r);
+    const __mmask16 keep = feats >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << feats) - 1);
+    for (long t = 0; t < tokens; t++) {
+        const __m256i b = rne16(_mm512_castsi512_ps(r[t]));
+        if (s->acc) { /* store()'s weighted add: the bf16 value times the weight, then added */
+            float *acc = s->acc + s->tok[t0 + t] * s->ldy + n;
+            const __m512 v = _mm512_mul_ps(widen16(b), _mm512_set1_ps(s->wt[t0 + t]));
+            _mm512_mask_storeu_ps(acc, keep, _mm512_add_ps(_mm512_maskz_loadu_ps(keep, acc), v));
+        } else {
+            _mm256_mask_storeu_epi16(s->y + (t0 + t) * s->ldy + n, keep, b);
+        }
+    }
+}
+
+void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
+                        long n0, long n1) {
+    if (n1 <= n0 || m <= 0) return;
+    const long kblocks = k / 32, tblocks = (m + 15) / 16, tile = kblocks * 256;
+    uint32_t *bx = aligned_alloc(64, sizeof(uint32_t) * tblocks * tile);
+    uint16_t *pad = NULL; /* a last block of fewer than 16 weight rows, zero-padded */
+    pack_tokens(x, ldx, m, k, bx);
+    configure_tiles();
+    float c[4][256] __attribute__((aligned(64)));
+    for (long tb = 0; tb < tblocks; tb += 2) {
+        const int two_t = tb + 1 < tblocks;
+        const uint32_t *b0 = bx + tb * tile, *b1 = b0 + (two_t ? tile : 0);
+        const long t_first = 16 * (tb + 1) < m ? 16 : m - 16 * tb;
+        const long t_second = two_t ? (16 * (tb + 2) < m ? 16 : m - 16 * (tb + 1)) : 0;
+        for (long f = n0; f < n1; f += 32) {
+            const long left = n1 - f < 32 ? n1 - f : 32;
+            const int two_f = left > 16;
+            const uint16_t *a0 = w + f * k, *a1 = a0 + 16 * k;
+            if (left % 16) { /* the share's last rows: a copy of them, zero below */
+                if (!pad) pad = aligned_alloc(64, sizeof(uint16_t) * 16 * k);
+                const long whole = left / 16 * 16;
+                memset(pad, 0, sizeof(uint16_t) * 16 * k);
+                memcpy(pad, w + (f + whole) * k, sizeof(uint16_t) * (left - whole) * k);
+                if (whole) a1 = pad;
+                else a0 = pad;
+            }
+            _tile_zero(0);
+            if (two_t) _tile_zero(1);
+            if (two_f) _tile_zero(2);
+            if (two_f && two_t) _tile_zero(3);
+            for (long kb = 0; kb < kblocks; kb++) {
+                if (f + 32 < n1) /* the next block's rows, in address order (see above) */
+                    for (long b = 0; b < 2048; b += 64)
+                        _mm_prefetch((const char *)(w + (f + 32) * k + kb * 1024) + b, _MM_HINT_T1);
+                _tile_loadd(4, a0 + kb * 32, k * 2);
+                _tile_loadd(6, b0 + kb * 256, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_t) {
+                    _tile_loadd(7, b1 + kb * 256, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (two_f) {
+                    _tile_loadd(5, a1 + kb * 32, k * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two_t) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c[0], 64);
+            if (two_t) _tile_stored(1, c[1], 64);
+            if (two_f) _tile_stored(2, c[2], 64);
+            if (two_f && two_t) _tile_stored(3, c[3], 64);
+            const int f_first = left < 16 ? (int)left : 16, f_second = (int)(left - f_first);
+            store_transposed(&y, c[0], 16 * tb, t_first, f, f_first);
+            if (two_t) store_transposed(&y, c[1], 16 * (tb + 1), t_second, f, f_first);
+            if (two_f) {
+                store_transposed(&y, c[2], 16 * tb, t_first, f + 16, f_second);
+                if (two_t) store_transposed(&y, c[3], 16 * (tb + 1), t_second, f + 16, f_second);
+            }
+        }
+    }
+    _tile_release();
+    free(pad);
+    free(bx);
+}

@@ -35,3 +35,9 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
     (void)segments, (void)n, (void)k;
     abort();
 }
+
+void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
+                        long n0, long n1) {
+    (void)x, (void)ldx, (void)w, (void)k, (void)y, (void)m, (void)n0, (void)n1;
+    abort();
+}

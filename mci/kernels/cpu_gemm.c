@@ -17,32 +17,6 @@
 #define MR 8      /* rows of x per GEMM microkernel: 16 accumulators hide vdpbf16ps's latency */
 #define MC 128    /* rows of x per pass over a group of strips (they stay in L2 meanwhile) */
 
-/* r[i][j] -> r[j][i] for 16 vectors of 16 dwords: unpack dwords, then qwords, then 128-bit
- * lanes (b[4i + e]'s lane L holds rows 4i..4i+3 of column 4L + e after the first two). */
-static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int e = 0; e < 4; e++) {
-        const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x44);
-        const __m512i c1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xEE);
-        const __m512i d0 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x44);
-        const __m512i d1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xEE);
-        r[e] = _mm512_shuffle_i32x4(c0, d0, 0x88);
-        r[4 + e] = _mm512_shuffle_i32x4(c0, d0, 0xDD);
-        r[8 + e] = _mm512_shuffle_i32x4(c1, d1, 0x88);
-        r[12 + e] = _mm512_shuffle_i32x4(c1, d1, 0xDD);
-    }
-}
-
 /* tile rows [count][k] (bf16, row-major) -> packed [ceil(k/2)][STRIP] dwords: (rows[f][2p],
  * rows[f][2p + 1]) at [p][f]; zero past `count` rows and past k. */
 static void pack_pairs(const uint16_t *tile, long count, long k, uint32_t *packed) {

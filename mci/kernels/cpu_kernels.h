@@ -109,6 +109,32 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0xDD),  /* lanes i + 1 */
                          _mm512_shuffle_ps(u[0], u[1], 0x88));
 }
+/* r[i][j] -> r[j][i] for 16 vectors of 16 dwords: unpack dwords, then qwords, then 128-bit
+ * lanes (b[4i + e]'s lane L holds rows 4i..4i+3 of column 4L + e after the first two). */
+static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x44);
+        const __m512i c1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xEE);
+        const __m512i d0 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x44);
+        const __m512i d1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xEE);
+        r[e] = _mm512_shuffle_i32x4(c0, d0, 0x88);
+        r[4 + e] = _mm512_shuffle_i32x4(c0, d0, 0xDD);
+        r[8 + e] = _mm512_shuffle_i32x4(c1, d1, 0x88);
+        r[12 + e] = _mm512_shuffle_i32x4(c1, d1, 0xDD);
+    }
+}
+
 #endif
 
 /* n float32 -> bf16, round_bf16's bits (16 at a time where the build has rne16) */
@@ -151,6 +177,8 @@ typedef struct {
     const int64_t *row_block;
     long scale_rows;
     int skinny_order; /* FP8 above 16 rows: sum in the skinny kernels' order (cpu_fp8.c) */
+    int amx_rows;     /* bf16, k a multiple of 32: calls of this many rows or more on AMX
+                       * tiles (cpu_amx.c's mci_amx_rows_range); 0: never */
 } Weight;
 
 static inline Weight expert_weight(const Weight *w, long e, long n, long k) {
@@ -256,5 +284,10 @@ void mci_bf16_gemm(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink 
 void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, Sink y,
                           const int64_t *ids, const int64_t *starts, const int64_t *counts,
                           long segments, long n, long k);
+
+/* Rows [n0, n1) of a bf16 weight w [n, k], read in place, for all m rows of x into a sink, on
+ * AMX tiles (cpu_amx.c); k a multiple of 32. Called by each thread for its own share. */
+void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
+                        long n0, long n1);
 
 #endif

@@ -19,6 +19,10 @@ prefill attention left to torch's flash kernel, faster there). `load()` returns 
 callers keep oneDNN (or float32 matmuls on widened weights), when the CPU has neither, there is
 no C compiler, the build fails, or `MCI_CPU_MATVEC=0`.
 
+On a CPU with AMX-BF16, bf16 linears at every decode row count run on AMX tiles with the weight
+read in place (cpu_amx.c's mci_amx_rows_range: `CpuKernels.amx_rows`, `MCI_CPU_AMX=0` turns AMX
+off): faster than the skinny kernels from one row up, within float32 summation order of them.
+
 Results match oneDNN's packed bf16 matmul (float32 sums of exact bf16 products, rounded once
 to nearest even; measured equal on all but a few elements in 10,000, by one bf16 ulp), and a
 row's result never depends on the other rows of the call (see the C file).
@@ -58,6 +62,13 @@ MAX_ROWS = {"avx512": 64, "avx2": 32}
 # 1.1 vs 1.5 ms at 24 tokens, up to 8; and the whole 32-request decode step, alternating in
 # one process: median 31.8 ms with up to 16 rows per expert here, 36.8 ms with up to 8).
 EXPERT_MAX_ROWS = {"avx512": 16, "avx2": 32}
+# Fewest rows a bf16 linear runs on AMX tiles with, where the CPU has AMX (cpu_amx.c's
+# mci_amx_rows_range). One: a 2-core Xeon with AMX-BF16 read weights faster on AMX than on the
+# skinny kernels at every row count (one call per weight, cold, median us, skinny -> AMX):
+# 1,536 x 512 at 1 / 2 / 8 / 32 rows 77-79 -> 71, 93-94 -> 69-72, 203-234 -> 72-74, 273-276 ->
+# 92-94; the LM head (8,192 x 512) 398-423 -> 327-350 at one row, 1,437-1,471 -> 486-487 at 32.
+# There vdpbf16ps (one port a core) bounds the skinny kernels from about 4 rows.
+AMX_ROWS = 2
 # Most bytes of prefill attention's probabilities P held at once: query rows go through
 # `CpuKernels.prefill_attention` in chunks of this size (a 2,048-token chunk of
 # DeepSeek-V3's 128 heads would otherwise hold 1 GiB).
@@ -76,7 +87,12 @@ def load() -> CpuKernels | None:
     try:
         lib = ctypes.CDLL(str(built_library(isa)))
         # AMX only where the CPU has it and the kernel grants this process its tile state
-        amx = isa == "avx512" and " amx_bf16" in cpu_flags() and lib.mci_amx_init() == 0
+        amx = (
+            isa == "avx512"
+            and " amx_bf16" in cpu_flags()
+            and os.environ.get("MCI_CPU_AMX", "1") != "0"
+            and lib.mci_amx_init() == 0
+        )
         return CpuKernels(lib, isa, amx, fp8=isa == "avx512" and cpu_supports_fp8())
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("CPU kernels unavailable (%s); using oneDNN", exc)
@@ -101,6 +117,7 @@ class _Weight(ctypes.Structure):
         ("row_block", ctypes.c_void_p),
         ("scale_rows", ctypes.c_long),
         ("skinny_order", ctypes.c_int),
+        ("amx_rows", ctypes.c_int),
     ]
 
 
@@ -136,6 +153,7 @@ class KernelWeight:
             None if row_block is None else row_block.data_ptr(),
             0 if scale is None else scale.shape[-2],
             0,
+            0,
         )
         self.address = ctypes.addressof(self.struct)
 
@@ -145,6 +163,11 @@ class KernelWeight:
         count: batch invariance) instead of the GEMM's (faster; within float32 summation order
         of it). cpu_fp8.c."""
         self.struct.skinny_order = int(enabled)
+
+    def set_amx_rows(self, rows: int) -> None:
+        """bf16 calls of `rows` rows or more (0: none) run on AMX tiles (cpu_amx.c's
+        mci_amx_rows_range), where k is a multiple of 32; the others on the skinny kernels."""
+        self.struct.amx_rows = 0 if self.fp8 else rows
 
 
 def kernel_weight(weight: torch.Tensor | KernelWeight) -> KernelWeight:
@@ -194,6 +217,8 @@ class CpuKernels:
         self.max_rows = MAX_ROWS[isa]  # most rows of a call on the kernels (see above)
         self.expert_max_rows = EXPERT_MAX_ROWS[isa]  # most rows of a routed expert
         self.amx = amx  # the AMX expert kernels run here (cpu_amx.c)
+        # bf16 linears of this many rows or more run on AMX tiles (0: never; see AMX_ROWS)
+        self.amx_rows = AMX_ROWS if amx else 0
         self.fp8 = fp8  # the FP8 matmuls run here (cpu_fp8.c: AVX512-VBMI)
         # the GEMM runs here (cpu_gemm.c): the one-call MoE takes experts of any row count
         self.gemm = isa == "avx512"

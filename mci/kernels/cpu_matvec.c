@@ -327,6 +327,8 @@ void mci_weight_rows(const uint16_t *x, long ldx, const Weight *w, long k, Sink 
                      long n0, long n1) {
     if (w->scale)
         mci_fp8_rows_range(x, ldx, w, k, y, m, n0, n1);
+    else if (w->amx_rows && m >= w->amx_rows && k % 32 == 0)
+        mci_amx_rows_range(x, ldx, (const uint16_t *)w->data, k, y, m, n0, n1);
     else
         mci_rows_range(x, ldx, (const uint16_t *)w->data, k, y, m, n0, n1);
 }

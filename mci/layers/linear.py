@@ -248,6 +248,8 @@ class Linear(nn.Module):
         # the kernels' skinny matmuls at a few rows (their AVX2 build where oneDNN has no bf16)
         self.matvec = kernels
         self.kernel = cpu_kernels.KernelWeight(w.contiguous()) if kernels is not None else None
+        if self.kernel is not None:  # AMX where it runs, but one kernel in batch invariance
+            self.kernel.set_amx_rows(0 if self.fixed_rows is not None else kernels.amx_rows)
         return True
 
     def matmul_weight(self) -> torch.Tensor:
@@ -275,6 +277,8 @@ class Linear(nn.Module):
         self.fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
         if self.kernel is not None and self.kernel.fp8:
             self.kernel.set_skinny_order(enabled)
+        elif self.kernel is not None:
+            self.kernel.set_amx_rows(0 if enabled else self.matvec.amx_rows)
 
     def skinny(self, rows: int, expert_rows: bool = False):
         """The skinny-matmul kernels (a `cpu_kernels.CpuKernels`) when a call of `rows` rows
