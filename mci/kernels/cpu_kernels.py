@@ -1,6 +1,6 @@
 """Skinny matmuls on the CPU (decode sizes: up to 64 rows) over bf16 weights or FP8 e4m3
 block-scaled weights read in place (cpu_fp8.c: the FP8 matmuls take any number of rows, up to
-16 bit for bit the bf16 kernel's result on the dequantised weight), a GEMM for many rows
+16 bit for bit the bf16 skinny kernel's result on the dequantised weight), a GEMM for many rows
 (cpu_gemm.c: busy routed experts), decode attention over the latent cache read in place, and
 the small per-token steps around them (RMSNorm, rope, the latent cache write), from
 cpu_matvec.c; the gated MLP and the whole MoE block at those sizes
