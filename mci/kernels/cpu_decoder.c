@@ -34,7 +34,7 @@ typedef struct {
     const uint16_t *kv_norm_w;
     float kv_eps;
     int interleave;
-    const uint16_t *w_uk_t, *w_uv;
+    const Weight *w_uk_t, *w_uv;
     float scale;
     const Weight *w_o;
     long cache_row; /* the layer's row of the latent cache */

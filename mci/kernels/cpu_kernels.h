@@ -260,8 +260,8 @@ int mci_mla_decode(const float *x, long t, long hidden, const uint16_t *norm_w,
                    long heads, long nope, long r, long c, long v,
                    const uint16_t *kv_norm_w, float kv_eps, const float *cos,
                    const float *sin, int interleave, uint16_t *cache,
-                   const int64_t *write_slots, const uint16_t *w_uk_t,
-                   const uint16_t *w_uv, const int64_t *kv_slots, long ld_slots,
+                   const int64_t *write_slots, const Weight *w_uk_t,
+                   const Weight *w_uv, const int64_t *kv_slots, long ld_slots,
                    const int64_t *lens, float scale, const Weight *w_o, float *out);
 
 /* Where mci_gemm reads a strip of weight rows [s0, s1) as bf16 rows [s1 - s0, k]: a pointer

@@ -186,8 +186,8 @@ class MLAWeights(Protocol):
     q_norm: tuple[torch.Tensor, float] | None  # with q_lora: its RMSNorm
     q_b: KernelWeight | None  # with q_lora: [heads * (nope + r), q_dim]
     kv_norm: tuple[torch.Tensor, float]
-    w_uk_t: torch.Tensor  # [heads, c, nope]
-    w_uv: torch.Tensor  # [heads, v, c]
+    w_uk_t: KernelWeight  # bf16 [heads, c, nope]
+    w_uv: KernelWeight  # bf16 [heads, v, c]
     o: KernelWeight  # [hidden, heads * v]
     heads: int
     nope: int
@@ -718,7 +718,9 @@ class BoundMLA:
         for weight in (layer.qkv_a, layer.q_b, layer.o):
             if weight is not None:
                 kernels._check(weight)
-        c, v = layer.w_uv.shape[2], layer.w_uv.shape[1]
+        if layer.w_uk_t.fp8 or layer.w_uv.fp8:
+            raise ValueError("mla_decode: the absorbed per-head weights are bf16")
+        c, v = layer.w_uv.k, layer.w_uv.n
         if c > MAX_LATENT:
             raise ValueError(f"mla_decode: kv_lora_rank {c} > {MAX_LATENT}")
         self._call = kernels._mla
@@ -734,7 +736,7 @@ class BoundMLA:
             "nope": layer.nope, "r": layer.rope, "c": c, "v": v,
             "kv_norm_w": layer.kv_norm[0].data_ptr(), "kv_eps": layer.kv_norm[1],
             "interleave": int(layer.interleave),
-            "w_uk_t": layer.w_uk_t.data_ptr(), "w_uv": layer.w_uv.data_ptr(),
+            "w_uk_t": layer.w_uk_t.address, "w_uv": layer.w_uv.address,
             "scale": layer.scale, "w_o": layer.o.address,
         }  # fmt: skip
         head = ("norm_w", "norm_eps", "w_qkv_a", "q_dim", "q_norm_w", "q_eps", "w_q_b", "heads",

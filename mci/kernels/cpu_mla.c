@@ -361,7 +361,7 @@ void mci_write_latent_rows(const uint16_t *latent, long ld, const uint16_t *w, f
 /* y[t, h, :b] = x[t, h, :a] @ w[h]^T for every head h (w [heads, b, a]); x and y address
  * (t, h) at t * ld_t + h * ld_h. The sums are mci_experts_into's, head by head, so equal to
  * the head-major expert_linear that the torch path runs. */
-static void per_head(const uint16_t *x, long ldx_t, long ldx_h, const uint16_t *w, long heads,
+static void per_head(const uint16_t *x, long ldx_t, long ldx_h, const Weight *w, long heads,
                      long a, long b, uint16_t *y, long ldy_t, long ldy_h, long m) {
     /* The heads' weights lie back to back: each thread takes one run of their heads * b rows
      * (a head's rows split where the run ends), so it reads one stream, not a short one per
@@ -375,7 +375,8 @@ static void per_head(const uint16_t *x, long ldx_t, long ldx_h, const uint16_t *
         for (long h = r0 / b; h < heads && h * b < r1; h++) {
             const long n0 = r0 > h * b ? r0 - h * b : 0, n1 = r1 < (h + 1) * b ? r1 - h * b : b;
             const Sink sink = {y + h * ldy_h, ldy_t, 0, 0, 0};
-            mci_rows_range(x + h * ldx_h, ldx_t, w + h * b * a, a, sink, m, n0, n1);
+            const Weight wh = expert_weight(w, h, b, a);
+            mci_weight_rows(x + h * ldx_h, ldx_t, &wh, a, sink, m, n0, n1);
         }
     }
 }
@@ -396,8 +397,8 @@ int mci_mla_decode(const float *x, long t, long hidden, const uint16_t *norm_w,
                         long heads, long nope, long r, long c, long v,
                         const uint16_t *kv_norm_w, float kv_eps, const float *cos,
                         const float *sin, int interleave, uint16_t *cache,
-                        const int64_t *write_slots, const uint16_t *w_uk_t,
-                        const uint16_t *w_uv, const int64_t *kv_slots, long ld_slots,
+                        const int64_t *write_slots, const Weight *w_uk_t,
+                        const Weight *w_uv, const int64_t *kv_slots, long ld_slots,
                         const int64_t *lens, float scale, const Weight *w_o, float *out) {
     if (c > MAX_LATENT) return -1;
     const long qk = nope + r, d = c + r, fused = q_dim + c + r;

@@ -131,8 +131,8 @@ class _OneCallWeights:
     q_norm: tuple[torch.Tensor, float] | None
     q_b: cpu_kernels.KernelWeight | None
     kv_norm: tuple[torch.Tensor, float]
-    w_uk_t: torch.Tensor
-    w_uv: torch.Tensor
+    w_uk_t: cpu_kernels.KernelWeight
+    w_uv: cpu_kernels.KernelWeight
     o: cpu_kernels.KernelWeight
     heads: int
     nope: int
@@ -191,7 +191,7 @@ class MultiHeadLatentAttention(nn.Module):
     def set_batch_invariant(self, enabled: bool) -> None:
         self.fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
 
-    def _per_head(self, x: torch.Tensor, weights: torch.Tensor, rows_major: torch.Tensor):
+    def _per_head(self, x: torch.Tensor, weights: torch.Tensor, rows_major):
         """x [N, H, a] @ weights [H, a, b] -> [N, H, b], one batched matmul over the heads, at
         bucketed row counts (or fixed ones: batch invariance). A few rows (decode) go through
         the CPU's skinny kernels instead, with the same weights laid out [H, b, a]
@@ -366,7 +366,8 @@ class MultiHeadLatentAttention(nn.Module):
     def _absorb_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """W_UK [H, nope, kv_lora] and W_UV^T [H, kv_lora, v] of kv_b_proj, contiguous, as the
         absorbed path's bmms take them, then the same two as the skinny kernels take them
-        (W_UK^T [H, kv_lora, nope], W_UV [H, v, kv_lora]). Under inference mode they are made
+        (W_UK^T [H, kv_lora, nope], W_UV [H, v, kv_lora]; bf16 ones as KernelWeights that run
+        on AMX from `amx_rows` rows, as the linears do). Under inference mode they are made
         once per dtype (weights do not change while serving; FP8 is dequantised once, not per
         step). The kernel layouts are None unless the CPU kernels run here; the bmm layouts
         are float32 where kv_b_proj's bf16 weight is widened (layers/linear.py)."""
@@ -383,11 +384,19 @@ class MultiHeadLatentAttention(nn.Module):
             return w[:, : self.nope], w[:, self.nope :]
 
         (w_uk, w_uv), (k_uk, k_uv) = heads(wide), heads(dense)
+
+        def for_kernels(weight: torch.Tensor):  # bf16: as a KernelWeight, AMX where it runs
+            if dtype != torch.bfloat16:
+                return weight
+            kernel = cpu_kernels.KernelWeight(weight)
+            kernel.set_amx_rows(proj.matvec.amx_rows)
+            return kernel
+
         weights = (
             w_uk.contiguous(),
             w_uv.transpose(1, 2).contiguous(),
-            k_uk.transpose(1, 2).contiguous() if kernels else None,
-            k_uv.contiguous() if kernels else None,
+            for_kernels(k_uk.transpose(1, 2).contiguous()) if kernels else None,
+            for_kernels(k_uv.contiguous()) if kernels else None,
         )
         if torch.is_inference_mode_enabled():
             cache[dtype, kernels] = weights
