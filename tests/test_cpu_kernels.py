@@ -646,6 +646,8 @@ def test_amx_rows_are_the_exact_sum_rounded_once_whatever_the_rows_and_threads(k
         assert torch.equal(matvec.linear(x, weight), out)
     finally:
         torch.set_num_threads(threads)
+    wide = torch.randn(5, 2 * k, generator=g).to(torch.bfloat16)[:, :k]  # row stride 2k
+    assert torch.equal(matvec.linear(wide, weight), matvec.linear(wide.contiguous(), weight))
     skinny = matvec.linear(x, w)  # a plain tensor: amx_rows 0
     if k % 32:
         assert torch.equal(out, skinny)
@@ -655,24 +657,39 @@ def test_amx_rows_are_the_exact_sum_rounded_once_whatever_the_rows_and_threads(k
 
 
 @pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")
-def test_amx_expert_rows_combine_as_the_weighted_index_add_bit_for_bit():
+@pytest.mark.parametrize("n", [704, 200])
+def test_amx_expert_rows_combine_as_the_weighted_index_add_bit_for_bit(n):
     """Routed experts of AMX_ROWS rows or more on AMX tiles too (each its expert's AMX
-    result), one row on the skinny kernel, and the weighted sum as the MoE's index_add."""
+    result), one row on the skinny kernel, and the weighted sum as the MoE's index_add (also
+    into a last block of fewer than 16 features: n = 200), whatever the thread count."""
     g = torch.Generator().manual_seed(9)
-    w = torch.randn(3, 704, 160, generator=g).to(torch.bfloat16)
+    w = torch.randn(3, n, 160, generator=g).to(torch.bfloat16)
     weight = cpu_kernels.KernelWeight(w)
     weight.set_amx_rows(2)
-    x = torch.randn(19, 160, generator=g).to(torch.bfloat16)
-    segments = torch.tensor([[2, 0, 1], [0, 13, 18], [13, 5, 1]])  # the last expert: one row
-    tokens = torch.randint(0, 5, (19,), generator=g)
-    weights = torch.rand(19, generator=g) * 2.5
+    x = torch.randn(59, 160, generator=g).to(torch.bfloat16)
+    segments = torch.tensor([[2, 0, 1], [0, 40, 58], [40, 18, 1]])  # 40 rows, 18, then one
+    tokens = torch.randint(0, 7, (59,), generator=g)
+    weights = torch.rand(59, generator=g) * 2.5
     y = matvec.expert_linear(x, weight, segments)
-    assert torch.equal(y[:13], _amx_experts_kernel(x[:13], w[2]))
-    assert torch.equal(y[13:18], _amx_experts_kernel(x[13:18], w[0]))
-    assert torch.equal(y[18:], matvec.linear(x[18:], w[1]))
-    expected = torch.zeros(5, 704).index_add_(0, tokens, y.float() * weights[:, None])
-    out = matvec.expert_linear_combine(x, weight, segments, tokens, weights, torch.zeros(5, 704))
+    assert torch.equal(y[58:], matvec.linear(x[58:], w[1]))  # one row: the skinny kernel
+    for rows, e in ((slice(0, 40), 2), (slice(40, 58), 0)):
+        single = cpu_kernels.KernelWeight(w[e].contiguous())
+        single.set_amx_rows(2)
+        assert torch.equal(y[rows], matvec.linear(x[rows], single))
+        if n % 32 == 0:
+            assert torch.equal(y[rows], _amx_experts_kernel(x[rows], w[e]))
+    expected = torch.zeros(7, n).index_add_(0, tokens, y.float() * weights[:, None])
+    out = matvec.expert_linear_combine(x, weight, segments, tokens, weights, torch.zeros(7, n))
     assert torch.equal(out, expected)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        again = torch.zeros(7, n)
+        matvec.expert_linear_combine(x, weight, segments, tokens, weights, again)
+        assert torch.equal(matvec.expert_linear(x, weight, segments), y)
+        assert torch.equal(again, out)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")
@@ -683,19 +700,29 @@ def test_a_model_runs_its_linears_on_amx_except_in_batch_invariance(checkpoint):
     def amx_rows() -> set[int]:
         return {m.kernel.struct.amx_rows for m in model.modules() if isinstance(m, Linear)}
 
-    assert amx_rows() == {cpu_kernels.AMX_ROWS}
+    def absorbed() -> set[int]:  # the attention's per-head kernel weights
+        with torch.inference_mode():
+            heads = [a._absorb_weights(torch.bfloat16)[2:] for a in attentions]
+        return {w.struct.amx_rows for pair in heads for w in pair}
+
+    attentions = [m for m in model.modules() if hasattr(m, "_absorb_weights")]
+    assert amx_rows() == absorbed() == {cpu_kernels.AMX_ROWS}
     model.set_batch_invariant(True)  # one kernel, oneDNN's, whatever the rows
-    assert amx_rows() == {0}
+    assert amx_rows() == absorbed() == {0}
     model.set_batch_invariant(False)
-    assert amx_rows() == {cpu_kernels.AMX_ROWS}
+    assert amx_rows() == absorbed() == {cpu_kernels.AMX_ROWS}
 
 
-def test_amx_turned_off_by_the_environment(monkeypatch):
+def test_amx_turned_off_by_the_environment(monkeypatch, checkpoint):
     monkeypatch.setenv("MCI_CPU_AMX", "0")
     cpu_kernels.load.cache_clear()
     try:
         kernels = cpu_kernels.load()
         assert kernels is None or (not kernels.amx and kernels.amx_rows == 0)
+        model = load_model(checkpoint("tiny"), "bfloat16", "cpu")
+        model.pack_for_cpu()
+        packed = [m.kernel for m in model.modules() if getattr(m, "kernel", None) is not None]
+        assert all(k.struct.amx_rows == 0 for k in packed)
     finally:
         monkeypatch.delenv("MCI_CPU_AMX")
         cpu_kernels.load.cache_clear()

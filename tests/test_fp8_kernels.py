@@ -208,10 +208,12 @@ def test_fp8_greedy_equals_transformers_on_the_dequantised_checkpoint(fp8_and_de
 
 @needs_fp8_kernels
 def test_fp8_on_the_kernels_is_bitwise_the_dequantised_bf16_model(fp8_and_dequantised):
-    """Up to 16 rows both models run the skinny kernels everywhere (the bf16 one on the
-    dequantised weights; AMX off for the bf16 weights of both, which on AMX sum in AMX's order
-    from 2 rows on), so their logits agree bit for bit; beyond, the bf16 model's oneDNN
-    matmuls sum in another order (within float32 summation order, as above)."""
+    """Up to 16 rows both models run the skinny kernels on their linears (the bf16 one on the
+    dequantised weights; AMX off for the linears' bf16 weights in both, which on AMX sum in
+    AMX's order from 2 rows on; the absorbed per-head weights are bf16 in both, so whichever
+    kernel runs them, it runs the same weights alike), so their logits agree bit for bit;
+    beyond, the bf16 model's oneDNN matmuls sum in another order (within float32 summation
+    order, as above)."""
     fp8_path, plain_path = fp8_and_dequantised
     fp8, plain = load_model(fp8_path, "bfloat16"), load_model(plain_path, "bfloat16")
     assert fp8.pack_for_cpu() and plain.pack_for_cpu()

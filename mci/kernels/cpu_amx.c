@@ -161,14 +161,15 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
  *
  * Each output's sum is AMX's over k in tile order, rounded once to bf16 (rne16: round_bf16's
  * bits), whatever m, the thread count or the share: a row's result never depends on the
- * other rows of the call. It is not the skinny kernels' sum (AMX's accumulation inside a
+ * other rows of the call. The same bits as mci_amx_experts_into on its packed copy, but for
+ * results below float32's normal range, which that kernel's round16 flushes to zero. It is not the skinny kernels' sum (AMX's accumulation inside a
  * tile step cannot be reproduced with vdpbf16ps: measured, 70% of float32 sums differ in the
  * last bits), so the two agree within float32 summation order, one bf16 rounding apart. */
 
 /* A tile loads read 16 rows 64 bytes at a time, 2k bytes apart: the hardware
  * prefetchers do not follow that, so while a block of 32 weight rows is multiplied, the next
- * block (32 k bf16, contiguous) is prefetched into L2 in address order, 1/kblocks of it per
- * k step. Measured (cold 1,536 x 512 weights, median us a call; the whole 32-request step of
+ * block of the thread's share (up to 32 rows of k bf16, contiguous) is prefetched into L2 in
+ * address order, 1/kblocks of it per k step. Measured (cold 1,536 x 512 weights, median us a call; the whole 32-request step of
  * `small` alternating in separate processes): 1 row 71-73 -> 62-63, 8 rows 74-75 -> 68-69;
  * the step 13.85 / 15.62 / 15.17 -> 13.96 / 14.23 / 13.81 ms. */
 
@@ -218,31 +219,36 @@ void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, 
     pack_tokens(x, ldx, m, k, bx);
     configure_tiles();
     float c[4][256] __attribute__((aligned(64)));
-    for (long tb = 0; tb < tblocks; tb += 2) {
-        const int two_t = tb + 1 < tblocks;
-        const uint32_t *b0 = bx + tb * tile, *b1 = b0 + (two_t ? tile : 0);
-        const long t_first = 16 * (tb + 1) < m ? 16 : m - 16 * tb;
-        const long t_second = two_t ? (16 * (tb + 2) < m ? 16 : m - 16 * (tb + 1)) : 0;
-        for (long f = n0; f < n1; f += 32) {
-            const long left = n1 - f < 32 ? n1 - f : 32;
-            const int two_f = left > 16;
-            const uint16_t *a0 = w + f * k, *a1 = a0 + 16 * k;
-            if (left % 16) { /* the share's last rows: a copy of them, zero below */
-                if (!pad) pad = aligned_alloc(64, sizeof(uint16_t) * 16 * k);
-                const long whole = left / 16 * 16;
-                memset(pad, 0, sizeof(uint16_t) * 16 * k);
-                memcpy(pad, w + (f + whole) * k, sizeof(uint16_t) * (left - whole) * k);
-                if (whole) a1 = pad;
-                else a0 = pad;
-            }
+    /* feature blocks outside, token blocks inside: each weight row is read once */
+    for (long f = n0; f < n1; f += 32) {
+        const long left = n1 - f < 32 ? n1 - f : 32;
+        const int two_f = left > 16;
+        const uint16_t *a0 = w + f * k, *a1 = a0 + 16 * k;
+        if (left % 16) { /* the share's last rows: a copy of them, zero below */
+            if (!pad) pad = aligned_alloc(64, sizeof(uint16_t) * 16 * k);
+            const long whole = left / 16 * 16;
+            memset(pad, 0, sizeof(uint16_t) * 16 * k);
+            memcpy(pad, w + (f + whole) * k, sizeof(uint16_t) * (left - whole) * k);
+            if (whole) a1 = pad;
+            else a0 = pad;
+        }
+        /* the next block's rows of this share (k * 2 bytes each, 64 of them per k step) */
+        const long ahead = n1 - f - 32 < 32 ? n1 - f - 32 : 32;
+        const char *next = ahead > 0 ? (const char *)(w + (f + 32) * k) : NULL;
+        const int f_first = left < 16 ? (int)left : 16, f_second = (int)(left - f_first);
+        for (long tb = 0; tb < tblocks; tb += 2) {
+            const int two_t = tb + 1 < tblocks;
+            const uint32_t *b0 = bx + tb * tile, *b1 = b0 + (two_t ? tile : 0);
+            const long t_first = 16 * (tb + 1) < m ? 16 : m - 16 * tb;
+            const long t_second = two_t ? (16 * (tb + 2) < m ? 16 : m - 16 * (tb + 1)) : 0;
             _tile_zero(0);
             if (two_t) _tile_zero(1);
             if (two_f) _tile_zero(2);
             if (two_f && two_t) _tile_zero(3);
             for (long kb = 0; kb < kblocks; kb++) {
-                if (f + 32 < n1) /* the next block's rows, in address order (see above) */
-                    for (long b = 0; b < 2048; b += 64)
-                        _mm_prefetch((const char *)(w + (f + 32) * k + kb * 1024) + b, _MM_HINT_T1);
+                if (tb == 0) /* the next block into L2, in address order (see above) */
+                    for (long b = 0; b < ahead * 64; b += 64)
+                        _mm_prefetch(next + kb * ahead * 64 + b, _MM_HINT_T1);
                 _tile_loadd(4, a0 + kb * 32, k * 2);
                 _tile_loadd(6, b0 + kb * 256, 64);
                 _tile_dpbf16ps(0, 4, 6);
@@ -260,7 +266,6 @@ void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, 
             if (two_t) _tile_stored(1, c[1], 64);
             if (two_f) _tile_stored(2, c[2], 64);
             if (two_f && two_t) _tile_stored(3, c[3], 64);
-            const int f_first = left < 16 ? (int)left : 16, f_second = (int)(left - f_first);
             store_transposed(&y, c[0], 16 * tb, t_first, f, f_first);
             if (two_t) store_transposed(&y, c[1], 16 * (tb + 1), t_second, f, f_first);
             if (two_f) {

@@ -19,13 +19,16 @@ prefill attention left to torch's flash kernel, faster there). `load()` returns 
 callers keep oneDNN (or float32 matmuls on widened weights), when the CPU has neither, there is
 no C compiler, the build fails, or `MCI_CPU_MATVEC=0`.
 
-On a CPU with AMX-BF16, bf16 linears at every decode row count run on AMX tiles with the weight
-read in place (cpu_amx.c's mci_amx_rows_range: `CpuKernels.amx_rows`, `MCI_CPU_AMX=0` turns AMX
-off): faster than the skinny kernels from one row up, within float32 summation order of them.
+On a CPU with AMX-BF16, bf16 linears of 2 rows or more run on AMX tiles with the weight read in
+place (cpu_amx.c's mci_amx_rows_range: `CpuKernels.amx_rows`, `MCI_CPU_AMX=0` turns AMX off):
+within float32 summation order of the skinny kernels, so there a sequence decoded alone (one
+row, the skinny kernels) and beside others can differ by a bf16 step; batch invariance keeps one
+kernel for every row count.
 
 Results match oneDNN's packed bf16 matmul (float32 sums of exact bf16 products, rounded once
 to nearest even; measured equal on all but a few elements in 10,000, by one bf16 ulp), and a
-row's result never depends on the other rows of the call (see the C file).
+row's result never depends on the other rows of the call (see the C file), as long as the call
+stays on one side of `amx_rows`.
 """
 
 from __future__ import annotations
@@ -63,11 +66,14 @@ MAX_ROWS = {"avx512": 64, "avx2": 32}
 # one process: median 31.8 ms with up to 16 rows per expert here, 36.8 ms with up to 8).
 EXPERT_MAX_ROWS = {"avx512": 16, "avx2": 32}
 # Fewest rows a bf16 linear runs on AMX tiles with, where the CPU has AMX (cpu_amx.c's
-# mci_amx_rows_range). One: a 2-core Xeon with AMX-BF16 read weights faster on AMX than on the
-# skinny kernels at every row count (one call per weight, cold, median us, skinny -> AMX):
-# 1,536 x 512 at 1 / 2 / 8 / 32 rows 77-79 -> 71, 93-94 -> 69-72, 203-234 -> 72-74, 273-276 ->
-# 92-94; the LM head (8,192 x 512) 398-423 -> 327-350 at one row, 1,437-1,471 -> 486-487 at 32.
-# There vdpbf16ps (one port a core) bounds the skinny kernels from about 4 rows.
+# mci_amx_rows_range). Two: on a 2-core Xeon with AMX-BF16, cold weights (one call per
+# weight, median us, skinny -> AMX) 1,536 x 512 at 1 / 2 / 8 / 32 rows 77-79 -> 71,
+# 93-94 -> 69-72, 203-234 -> 72-74, 273-276 -> 92-94, the LM head (8,192 x 512) 398-423 ->
+# 327-350 at one row; but weights in L3, as a one-request step's are there (480 MB), read
+# faster on the skinny kernels at one row (the LM head 153-159 -> 188-209 us), and the
+# one-request step was level or slower on AMX (2.17-2.38 -> 2.26-2.43 ms, alternating blocks).
+# At two rows AMX was level or faster hot too, faster from 4 (vdpbf16ps, one port a core,
+# bounds the skinny kernels there): the 32-request step 21.5-25.4 -> 13.8-17.2 ms.
 AMX_ROWS = 2
 # Most bytes of prefill attention's probabilities P held at once: query rows go through
 # `CpuKernels.prefill_attention` in chunks of this size (a 2,048-token chunk of

@@ -190,6 +190,15 @@ class MultiHeadLatentAttention(nn.Module):
 
     def set_batch_invariant(self, enabled: bool) -> None:
         self.fixed_rows = BATCH_INVARIANT_ROWS if enabled else None
+        for weights in self._absorb_cache.values():  # one kernel in batch invariance
+            for kernel in weights[2:]:
+                if isinstance(kernel, cpu_kernels.KernelWeight):
+                    kernel.set_amx_rows(self._amx_rows())
+
+    def _amx_rows(self) -> int:
+        """The per-head kernel weights' `amx_rows`: the linears' (0 in batch invariance)."""
+        matvec = self.kv_b_proj.matvec
+        return 0 if self.fixed_rows is not None or matvec is None else matvec.amx_rows
 
     def _per_head(self, x: torch.Tensor, weights: torch.Tensor, rows_major):
         """x [N, H, a] @ weights [H, a, b] -> [N, H, b], one batched matmul over the heads, at
@@ -389,7 +398,7 @@ class MultiHeadLatentAttention(nn.Module):
             if dtype != torch.bfloat16:
                 return weight
             kernel = cpu_kernels.KernelWeight(weight)
-            kernel.set_amx_rows(proj.matvec.amx_rows)
+            kernel.set_amx_rows(self._amx_rows())
             return kernel
 
         weights = (
