@@ -228,17 +228,24 @@ def test_rope_and_latent_rows_are_the_eager_values(interleave, t):
     assert not cache[untouched].any()
 
 
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize(
     "b, h, q, length, d, dv, shared",
-    [(1, 4, 70, 70, 96, 64, True), (2, 3, 9, 41, 48, 32, True), (3, 2, 5, 33, 20, 20, False)],
+    [
+        (1, 4, 70, 70, 96, 64, True),
+        (2, 3, 9, 41, 48, 32, True),
+        (3, 2, 5, 33, 20, 20, False),
+        (2, 3, 45, 77, 64, 32, False),  # on AMX where it runs: a whole and a partial block
+    ],
 )
 def test_prefill_attention_is_a_float32_softmax_rounded_once(
-    b, h, q, length, d, dv, shared, monkeypatch
+    b, h, q, length, d, dv, shared, amx, monkeypatch
 ):
     """Scores and softmax in float32 over each row's first `limits` keys (causal, ragged,
     lengths not a multiple of 16), P rounded once to bf16 and times V: within bf16 rounding
     of a float64 reference, the log-sum-exp within float32 rounding, also when the rows go
-    in chunks of 8 (P's memory bound); a row's result does not depend on the others."""
+    in chunks of 8 (P's memory bound); a row's result does not depend on the others. `amx`:
+    on AMX tiles where the CPU has them and d, dv are multiples of 32 (else the same path)."""
     g = torch.Generator().manual_seed(b * 100 + q)
     qs, ks = torch.randn(b, h, q, d, generator=g), torch.randn(b, h, length, d, generator=g)
     vs = torch.randn(b, h, length, dv, generator=g)
@@ -248,6 +255,8 @@ def test_prefill_attention_is_a_float32_softmax_rounded_once(
     else:
         limits = torch.randint(1, length + 1, (b, q), generator=g)
     scale = d**-0.5
+    run = matvec.prefill_attention
+    monkeypatch.setattr(matvec, "prefill_attention", lambda *a: run(*a, amx))
     out, lse = matvec.prefill_attention(qs, ks, vs, limits, scale)
     scores = qs.double() @ ks.double().transpose(-1, -2) * scale
     seen = torch.arange(length)[None, None, None, :] < limits[:, None, :, None]
@@ -259,7 +268,7 @@ def test_prefill_attention_is_a_float32_softmax_rounded_once(
     chunked, chunked_lse = matvec.prefill_attention(qs, ks, vs, limits, scale)
     assert (chunked.double() - ref).abs().max() < 0.02
     assert torch.equal(chunked_lse, lse)  # the kernel's rows: the same bits
-    monkeypatch.undo()
+    monkeypatch.setattr(cpu_kernels, "PREFILL_PROBS_BYTES", 64 << 20)
     # read in place through any strides (the transposed views the model passes), or copied
     # where a row's pairs would not be 4-byte aligned: the same bits
     q_t = qs.transpose(1, 2).contiguous().transpose(1, 2)
@@ -272,6 +281,42 @@ def test_prefill_attention_is_a_float32_softmax_rounded_once(
     rows = slice(1, 3)  # the same rows alone: the same bits
     alone, _ = matvec.prefill_attention(qs[:, :, rows], ks, vs, limits[:, rows].contiguous(), scale)
     assert torch.equal(alone, out[:, :, rows])
+
+
+@pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")
+@pytest.mark.parametrize("nq, length", [(992, 1024), (70, 70), (33, 200)])
+def test_prefill_attention_on_amx_is_the_vdpbf16ps_path_within_rounding(nq, length):
+    """The AMX path (scores, softmax and P V in one call) against the vdpbf16ps path with
+    oneDNN's bmm, causal and full rows: the log-sum-exp within float32 rounding (the scores'
+    sums in another order); outputs nearly all equal, and apart by at most what one bf16 step
+    of a probability moves them (a score's last float32 bit can move P's rounding)."""
+    g = torch.Generator().manual_seed(nq)
+    qs = torch.randn(1, 8, nq, 96, generator=g).to(torch.bfloat16)
+    ks = torch.randn(1, 8, length, 96, generator=g).to(torch.bfloat16)
+    vs = torch.randn(1, 8, length, 64, generator=g).to(torch.bfloat16)
+    for limits in (torch.full((1, nq), length), torch.arange(length - nq + 1, length + 1)[None]):
+        amx, amx_lse = matvec.prefill_attention(qs, ks, vs, limits, 96**-0.5, True)
+        old, old_lse = matvec.prefill_attention(qs, ks, vs, limits, 96**-0.5, False)
+        assert (amx_lse - old_lse).abs().max() < 1e-5
+        assert (amx.float() - old.float()).abs().max() <= 2**-8 * vs.float().abs().max()
+        assert (amx == old).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("length", [16, 37, 130])
+def test_pack_values_is_amx_pair_interleaved_layout(length):
+    """mci_pack_values writes values [B, H, L, dv] (a transposed view read in place) as
+    [B*H, ceil(L/32), dv/16, 16, 16, 2] (pairs of keys interleaved per 16 columns) with zero
+    keys past L: torch's permutation of the same tensor, bit for bit."""
+    b, h, dv = 2, 3, 64
+    g = torch.Generator().manual_seed(length)
+    values = torch.randn(b, length, h, dv, generator=g).to(torch.bfloat16).transpose(1, 2)
+    chunks = -(-length // 32)
+    want = F.pad(values, (0, 0, 0, chunks * 32 - length)).reshape(b * h, chunks, 16, 2, dv // 16, 16)
+    want = want.permute(0, 1, 4, 2, 5, 3).contiguous()
+    got = torch.full_like(want, float("nan"))
+    status = matvec._pack_values(values.data_ptr(), *values.stride()[:3], b, h, length, dv, got.data_ptr())
+    assert status == 0
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("length", [16, 37, 130])

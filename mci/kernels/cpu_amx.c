@@ -278,3 +278,92 @@ void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, 
     free(pad);
     free(bx);
 }
+
+/* Prefill attention's scores (cpu_prefill_attention.c) on AMX tiles. Its packed keys
+ * [nkb][d/2][16][2] are already AMX's B layout: 16 pair-rows of 16 keys a tile, 32 dims per
+ * tile step. The 32 query rows are read in place as A (16 rows x 32 dims a tile); each C tile
+ * holds 16 rows x 16 keys and is stored straight into the row's scores, then scaled as the
+ * vdpbf16ps path scales (one multiply, one rounding). Each score is a float32 sum of exact
+ * bf16 products in AMX's order: within float32 rounding of the vdpbf16ps path's (which sums
+ * in another order), and it depends only on its query row and key, whatever the other rows. */
+void mci_amx_scores(const uint16_t *q, long ldq, long d, const uint16_t *kp, long nkb,
+                    float scale, float *s, long lds) {
+    const long steps = d / 32, block = d / 2 * 32; /* elements per block of 16 keys */
+    const __m512 vs = _mm512_set1_ps(scale);
+    configure_tiles();
+    for (long kb = 0; kb < nkb; kb += 2) {
+        const int two = kb + 1 < nkb;
+        const uint16_t *b0 = kp + kb * block, *b1 = b0 + block;
+        _tile_zero(0);
+        _tile_zero(2);
+        if (two) {
+            _tile_zero(1);
+            _tile_zero(3);
+        }
+        for (long t = 0; t < steps; t++) {
+            _tile_loadd(4, q + t * 32, ldq * 2);
+            _tile_loadd(5, q + 16 * ldq + t * 32, ldq * 2);
+            _tile_loadd(6, b0 + t * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) {
+                _tile_loadd(7, b1 + t * 512, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        float *c = s + kb * 16;
+        _tile_stored(0, c, lds * 4);
+        _tile_stored(2, c + 16 * lds, lds * 4);
+        if (two) {
+            _tile_stored(1, c + 16, lds * 4);
+            _tile_stored(3, c + 16 * lds + 16, lds * 4);
+        }
+        for (int r = 0; r < 32; r++) /* still in L1: the scale, as the vdpbf16ps path's */
+            for (int h = 0; h < 1 + two; h++)
+                _mm512_storeu_ps(c + r * lds + 16 * h,
+                                 _mm512_mul_ps(_mm512_loadu_ps(c + r * lds + 16 * h), vs));
+    }
+    _tile_release();
+}
+
+/* Prefill attention's P times V (cpu_prefill_attention.c) on AMX tiles: 32 rows of P (bf16,
+ * row stride ldp elements, zero past each row's keys up to 32 nkc) as A, 32 keys a tile step;
+ * the values packed by mci_pack_values ([nkc][dv/16][16 pairs][16][2]: AMX's B layout) as B.
+ * Each output is a float32 sum of exact bf16 products, rounded once to bf16 (rne16, torch's
+ * rounding), as the bf16 bmm it replaces; the first `rows` rows go to out (row stride
+ * ld_out). dv a multiple of 32. */
+void mci_amx_pv(const uint16_t *p, long ldp, const uint16_t *vp, long nkc, long dv, int rows,
+                uint16_t *out, long ld_out) {
+    const long cols = dv / 16;
+    float c[4][256] __attribute__((aligned(64)));
+    configure_tiles();
+    for (long ct = 0; ct < cols; ct += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (long kc = 0; kc < nkc; kc++) {
+            const uint16_t *b = vp + (kc * cols + ct) * 512;
+            _tile_loadd(4, p + kc * 32, ldp * 2);
+            _tile_loadd(5, p + 16 * ldp + kc * 32, ldp * 2);
+            _tile_loadd(6, b, 64);
+            _tile_loadd(7, b + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+        for (int r = 0; r < rows; r++) {
+            const float *top = r < 16 ? c[0] + 16 * r : c[2] + 16 * (r - 16);
+            uint16_t *o = out + r * ld_out + ct * 16;
+            _mm256_storeu_si256((__m256i *)o, rne16(_mm512_load_ps(top)));
+            _mm256_storeu_si256((__m256i *)(o + 16), rne16(_mm512_load_ps(top + 256)));
+        }
+    }
+    _tile_release();
+}

@@ -41,3 +41,15 @@ void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, 
     (void)x, (void)ldx, (void)w, (void)k, (void)y, (void)m, (void)n0, (void)n1;
     abort();
 }
+
+void mci_amx_scores(const uint16_t *q, long ldq, long d, const uint16_t *kp, long nkb,
+                    float scale, float *s, long lds) {
+    (void)q, (void)ldq, (void)d, (void)kp, (void)nkb, (void)scale, (void)s, (void)lds;
+    abort();
+}
+
+void mci_amx_pv(const uint16_t *p, long ldp, const uint16_t *vp, long nkc, long dv, int rows,
+                uint16_t *out, long ld_out) {
+    (void)p, (void)ldp, (void)vp, (void)nkc, (void)dv, (void)rows, (void)out, (void)ld_out;
+    abort();
+}

@@ -290,4 +290,16 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
 void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
                         long n0, long n1);
 
+/* Prefill attention's scores on AMX tiles (cpu_amx.c): 32 query rows q [32, d] (row stride
+ * ldq; all 32 readable) against nkb blocks of 16 packed keys (cpu_prefill_attention.c's
+ * layout) -> s [32][16 nkb] float32 (row stride lds), times scale; d a multiple of 32. */
+void mci_amx_scores(const uint16_t *q, long ldq, long d, const uint16_t *kp, long nkb,
+                    float scale, float *s, long lds);
+
+/* Prefill attention's P [32, 32 nkc] (bf16, row stride ldp) times its packed values
+ * (cpu_prefill_attention.c's mci_pack_values) on AMX tiles (cpu_amx.c) -> the first `rows`
+ * rows of out [32, dv] (bf16, row stride ld_out); dv a multiple of 32. */
+void mci_amx_pv(const uint16_t *p, long ldp, const uint16_t *vp, long nkc, long dv, int rows,
+                uint16_t *out, long ld_out);
+
 #endif

@@ -23,7 +23,9 @@ On a CPU with AMX-BF16, bf16 linears of 2 rows or more run on AMX tiles with the
 place (cpu_amx.c's mci_amx_rows_range: `CpuKernels.amx_rows`, `MCI_CPU_AMX=0` turns AMX off):
 within float32 summation order of the skinny kernels, so there a sequence decoded alone (one
 row, the skinny kernels) and beside others can differ by a bf16 step; batch invariance keeps one
-kernel for every row count.
+kernel for every row count. Prefill attention runs there on AMX too where its head dims are
+multiples of 32 (scores, softmax and P V in one call: cpu_prefill_attention.c's
+mci_amx_prefill_attention), but in batch invariance.
 
 Results match oneDNN's packed bf16 matmul (float32 sums of exact bf16 products, rounded once
 to nearest even; measured equal on all but a few elements in 10,000, by one bf16 ulp), and a
@@ -276,6 +278,14 @@ class CpuKernels:
         self._probs.argtypes = [ptr, long, long, long, ptr, ptr, long, long, long, long, long,
                                 long, long, ctypes.c_float, ptr, ptr]  # fmt: skip
         self._probs.restype = ctypes.c_int
+        self._amx_attention = lib.mci_amx_prefill_attention
+        self._amx_attention.argtypes = [ptr, long, long, long, ptr, ptr, ptr, long, long, long,
+                                        long, long, long, long, long, ctypes.c_float, ptr,
+                                        ptr]  # fmt: skip
+        self._amx_attention.restype = ctypes.c_int
+        self._pack_values = lib.mci_pack_values
+        self._pack_values.argtypes = [ptr, long, long, long, long, long, long, long, ptr]
+        self._pack_values.restype = ctypes.c_int
         self._pack_keys = lib.mci_pack_keys
         self._pack_keys.argtypes = [ptr, long, long, long, long, long, long, long, ptr]
         self._pack_keys.restype = ctypes.c_int
@@ -295,13 +305,17 @@ class CpuKernels:
         v: torch.Tensor,
         limits: torch.Tensor,
         scale: float,
+        amx: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of many query rows (prefill chunks): q [B, H, Q, d], k [B, H, L, d],
         v [B, H, L, dv] bf16, limits int64 [B or 1, Q] (row r of sequence b sees keys
         0 .. limits[b, r] - 1, 1 <= limit <= L) -> (out [B, H, Q, dv] bf16, log-sum-exp
         float32 [B, H, Q]). Per chunk of query rows: the scores and the softmax in one kernel
         call, in float32 (cpu_prefill_attention.c); P (rounded once to bf16) times V in
-        oneDNN's bf16 matmul, its float32 sums rounded once. Callers check d is even."""
+        oneDNN's bf16 matmul, its float32 sums rounded once. Callers check d is even.
+        The scores run on AMX tiles where `amx`, the CPU has AMX and d is a multiple of 32
+        (see PREFILL_AMX); a row's result depends only on its own query, keys and limit
+        either way."""
         b, h, nq, d = q.shape
         length, dv = k.shape[2], v.shape[3]
         blocks = -(-length // 16)
@@ -311,6 +325,8 @@ class CpuKernels:
         kp = torch.empty(b * h, blocks, d // 2, 16, 2, dtype=torch.bfloat16)
         if self._pack_keys(k.data_ptr(), *k.stride()[:3], b, h, length, d, kp.data_ptr()):
             raise ValueError(f"prefill_attention: keys of head dim {d} not taken (odd?)")
+        if amx and self.amx and d % 32 == 0 and dv % 32 == 0:
+            return self._amx_prefill_attention(q, kp, v, limits, scale)
         values = F.pad(v, (0, 0, 0, pad)).reshape(b * h, blocks * 16, dv)
         out = torch.empty(b * h, nq, dv, dtype=torch.bfloat16)
         lse = torch.empty(b * h, nq, dtype=torch.float32)
@@ -347,6 +363,30 @@ class CpuKernels:
             else:  # P: 0 past each row's keys
                 torch.bmm(probs, values[:, :width], out=out[:, rows])
             lse[:, rows] = part_lse
+        return out.view(b, h, nq, dv), lse.view(b, h, nq)
+
+    def _amx_prefill_attention(self, q, kp, v, limits, scale):
+        """`prefill_attention` on AMX tiles: the scores, the softmax and P V in one call
+        (cpu_prefill_attention.c's mci_amx_prefill_attention), P never leaving the cache."""
+        b, h, nq, d = q.shape
+        length, dv = v.shape[2], v.shape[3]
+        chunks = -(-length // 32)
+        # values pair-interleaved in chunks of 32 keys, as AMX's B operand takes them
+        vp = torch.empty(b * h, chunks, dv // 16, 16, 16, 2, dtype=torch.bfloat16)
+        if v.stride(-1) != 1:
+            v = v.contiguous()
+        if self._pack_values(v.data_ptr(), *v.stride()[:3], b, h, length, dv, vp.data_ptr()):
+            raise ValueError(f"prefill_attention: values of head dim {dv} not taken")
+        out = torch.empty(b * h, nq, dv, dtype=torch.bfloat16)
+        lse = torch.empty(b * h, nq, dtype=torch.float32)
+        limits = limits.contiguous()
+        status = self._amx_attention(
+            q.data_ptr(), *q.stride()[:3], kp.data_ptr(), vp.data_ptr(), limits.data_ptr(),
+            nq if limits.shape[0] > 1 else 0, b * h, h, nq, d, dv, kp.shape[1], chunks, scale,
+            out.data_ptr(), lse.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"prefill_attention: status {status} on AMX (head dims {d}, {dv})")
         return out.view(b, h, nq, dv), lse.view(b, h, nq)
 
     def _check(self, weight: KernelWeight) -> KernelWeight:

@@ -21,9 +21,12 @@
  *   lse    float32 [G, Q]: log sum exp of the row's scaled scores (-inf for an empty row)
  * A row's result depends only on its own query, its keys and its limit: each row is computed
  * alone, in the same order of sums, whatever the other rows, the batch or the threads. */
+#include <string.h>
+
 #include "cpu_kernels.h"
 
 #define ROWS 8 /* query rows per block: 8 accumulators share each key load */
+#define AMX_ROWS_BLOCK 32 /* on AMX: two tiles of 16 query rows share each key tile */
 
 static void scores_block(const uint16_t *q, long ldq, long d, const uint16_t *kp, long nkb,
                          int rows, float scale, float *s, long lds) {
@@ -150,6 +153,104 @@ int mci_pack_keys(const uint16_t *k, long ld_b, long ld_h, long ld_l, long batch
                 __builtin_memcpy(&pair, row + 2 * t, 4);
                 dst[t * 16 + j] = pair;
             }
+        }
+    }
+    return 0;
+}
+
+/* ---- The whole of it on AMX tiles (a CPU with AMX-BF16) ----------------------------------------
+ * Why: on a 2-core Xeon with AMX-BF16 the scores above run on vdpbf16ps at ~200 GFLOP/s a
+ * core pair, where AMX tiles reach ~1.5-2.8 TFLOP/s; and P, written to memory by the kernel
+ * above and read back by the caller's bmm, is 16 MB a layer for 992 query rows of 8 heads over
+ * a 1,024-token shared prefix. Here, for each block of 32 query rows: the scores on AMX
+ * (cpu_amx.c's mci_amx_scores: the packed keys are AMX's B layout as they stand), the same
+ * softmax_row as above (P rounded once to bf16, zero past the row's keys), and P times V on
+ * AMX (mci_amx_pv) from P still in this thread's cache, each output rounded once to bf16.
+ *
+ * What differs from the path above: each score is a float32 sum of exact bf16 products in
+ * AMX's order, not vdpbf16ps's (AMX's order inside a tile step cannot be had on vdpbf16ps:
+ * cpu_amx.c), so a score may differ in its last float32 bits, and P V's sums are AMX's order
+ * where the bmm's are oneDNN's: outputs agree within one bf16 rounding. As above, a row's
+ * result depends only on its own query, its keys and its limit, whatever the other rows, the
+ * batch or the threads (tests/test_cpu_kernels.py).
+ *
+ * Layouts: q, kp, limits and lse as mci_bf16_prefill_attention_probs's; d and dv multiples of
+ * 32; vp [G, Lc, dv/16, 16, 16, 2] (mci_pack_values; Lc = ceil(L / 32), so Lb = ceil(L / 16)
+ * gives Lc = ceil(Lb / 2)); out [G, Q, dv] bf16. Returns 0, or -1 for what it does not take. */
+int mci_amx_prefill_attention(const uint16_t *q, long ld_qb, long ld_qh, long ld_qr,
+                              const uint16_t *kp, const uint16_t *vp, const int64_t *limits,
+                              long ld_limits, long groups, long heads, long nq, long d, long dv,
+                              long lb, long lc, float scale, uint16_t *out, float *lse) {
+    if (d % 32 || dv % 32 || lc != (lb + 1) / 2 || (ld_qb | ld_qh | ld_qr) % 2 ||
+        ((uintptr_t)q | (uintptr_t)kp) % 4)
+        return -1;
+    const long per = AMX_ROWS_BLOCK, blocks = (nq + per - 1) / per;
+    /* the row strides of the scores and of P: 64 bytes more than the keys, so the 32 rows a
+     * tile store writes or a tile load reads do not all fall in the same L1 sets (at 1,024
+     * keys the scores' rows were 4 KB apart: 992 rows of 8 heads took 4.0 ms, 2.9 with it) */
+    const long lds = lb * 16 + 16, width = lc * 32 + 32;
+#pragma omp parallel
+    {
+        float *s = (float *)aligned_alloc(64, sizeof(float) * per * lds + 64);
+        /* P of the block; zero at first, so rows past the block's last never hold NaNs */
+        uint16_t *pb = (uint16_t *)calloc((size_t)per * width, sizeof(uint16_t));
+        uint16_t *pad = NULL; /* a last block of fewer than 32 rows, zero below */
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < groups * blocks; item++) {
+            const long g = item / blocks, r0 = (item % blocks) * per;
+            const int rows = (int)(nq - r0 < per ? nq - r0 : per);
+            const int64_t *lim = limits + (g / heads) * ld_limits + r0;
+            long kend = 0;
+            for (int r = 0; r < rows; r++) kend = lim[r] > kend ? lim[r] : kend;
+            if (kend > lb * 16) kend = lb * 16; /* the caller's promise; never read past kp */
+            const long nkb = (kend + 15) / 16, nkc = (kend + 31) / 32;
+            const uint16_t *qg = q + (g / heads) * ld_qb + (g % heads) * ld_qh, *qb;
+            long ldq = ld_qr;
+            if (rows == per) {
+                qb = qg + r0 * ld_qr;
+            } else {
+                if (!pad) pad = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * per * d);
+                memset(pad, 0, sizeof(uint16_t) * per * d);
+                for (int r = 0; r < rows; r++)
+                    memcpy(pad + r * d, qg + (r0 + r) * ld_qr, sizeof(uint16_t) * d);
+                qb = pad;
+                ldq = d;
+            }
+            mci_amx_scores(qb, ldq, d, kp + g * lb * (d / 2) * 32, nkb, scale, s, lds);
+            for (int r = 0; r < rows; r++) {
+                const long limit = lim[r] < nkb * 16 ? lim[r] : nkb * 16;
+                softmax_row(s + r * lds, limit, nkc * 32, pb + r * width,
+                            lse + g * nq + r0 + r);
+            }
+            mci_amx_pv(pb, width, vp + g * lc * dv * 32, nkc, dv, rows,
+                       out + (g * nq + r0) * dv, dv);
+        }
+        free(pad);
+        free(pb);
+        free(s);
+    }
+    return 0;
+}
+
+/* Values v [B, H, L, dv] (unit element stride, any other strides, 0 repeating) -> vp
+ * [B * H, Lc, dv/16, 16, 16, 2] (Lc = ceil(L / 32)): for each 32 keys and 16 value columns,
+ * the pairs of keys interleaved, as AMX's B operand takes them (vp[g][kc][ct][p][c][i] =
+ * v[g][32 kc + 2 p + i][16 ct + c]), keys past L zero. dv a multiple of 16; -1 where not. */
+int mci_pack_values(const uint16_t *v, long ld_b, long ld_h, long ld_l, long batch, long heads,
+                    long length, long dv, uint16_t *vp) {
+    if (dv % 16) return -1;
+    const long lc = (length + 31) / 32, cols = dv / 16;
+#pragma omp parallel for schedule(static) if (batch * heads * lc * dv >= 4096)
+    for (long item = 0; item < batch * heads * lc; item++) {
+        const long g = item / lc, kc = item % lc;
+        const uint16_t *src = v + (g / heads) * ld_b + (g % heads) * ld_h;
+        uint16_t *dst = vp + item * cols * 512;
+        for (int j = 0; j < 32; j++) { /* key 32 kc + j: pair row j / 2, slot j % 2 */
+            const long l = kc * 32 + j;
+            for (long ct = 0; ct < cols; ct++)
+                for (int c = 0; c < 16; c++)
+                    dst[ct * 512 + (j / 2) * 32 + c * 2 + j % 2] =
+                        l < length ? src[l * ld_l + ct * 16 + c] : 0;
         }
     }
     return 0;

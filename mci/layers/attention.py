@@ -523,10 +523,12 @@ class MultiHeadLatentAttention(nn.Module):
         float32 [B, H, Q]); row r of sequence b sees keys 0 .. limits[b or 0, r] - 1, which
         `causal` or the bool `mask` ([B or 1, 1, Q, L]) also say, for the flash kernel. On
         the CPU kernels (bf16): their prefill attention, ~2.6x the flash kernel's speed at
-        1,056 tokens on an AMD EPYC (see cpu_prefill_attention.c)."""
+        1,056 tokens on an AMD EPYC (see cpu_prefill_attention.c); on AMX tiles where the CPU
+        has them, but in batch invariance, which keeps the vdpbf16ps path's bits."""
         kernels = self._prefill_kernels(q)
         if kernels is not None:
-            return kernels.prefill_attention(q, k, v, limits, self.scale)
+            amx = self.fixed_rows is None
+            return kernels.prefill_attention(q, k, v, limits, self.scale, amx)
         qk = q.shape[-1]
         if self.v_dim < qk:  # SDPA's fused kernels need equal head dims
             v = F.pad(v, (0, qk - self.v_dim))
