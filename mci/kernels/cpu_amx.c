@@ -283,13 +283,16 @@ void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, 
  * [nkb][d/2][16][2] are already AMX's B layout: 16 pair-rows of 16 keys a tile, 32 dims per
  * tile step. The 32 query rows are read in place as A (16 rows x 32 dims a tile); each C tile
  * holds 16 rows x 16 keys and is stored straight into the row's scores, then scaled as the
- * vdpbf16ps path scales (one multiply, one rounding). Each score is a float32 sum of exact
+ * vdpbf16ps path scales (one multiply, one rounding), and each row's maximum over its first
+ * limits[r] scores is kept on the way (mx). Each score is a float32 sum of exact
  * bf16 products in AMX's order: within float32 rounding of the vdpbf16ps path's (which sums
  * in another order), and it depends only on its query row and key, whatever the other rows. */
 void mci_amx_scores(const uint16_t *q, long ldq, long d, const uint16_t *kp, long nkb,
-                    float scale, float *s, long lds) {
+                    float scale, float *s, long lds, const long *limits, float *mx) {
     const long steps = d / 32, block = d / 2 * 32; /* elements per block of 16 keys */
     const __m512 vs = _mm512_set1_ps(scale);
+    __m512 vmax[32];
+    for (int r = 0; r < 32; r++) vmax[r] = _mm512_set1_ps(-INFINITY);
     configure_tiles();
     for (long kb = 0; kb < nkb; kb += 2) {
         const int two = kb + 1 < nkb;
@@ -320,11 +323,21 @@ void mci_amx_scores(const uint16_t *q, long ldq, long d, const uint16_t *kp, lon
             _tile_stored(3, c + 16 * lds + 16, lds * 4);
         }
         for (int r = 0; r < 32; r++) /* still in L1: the scale, as the vdpbf16ps path's */
-            for (int h = 0; h < 1 + two; h++)
-                _mm512_storeu_ps(c + r * lds + 16 * h,
-                                 _mm512_mul_ps(_mm512_loadu_ps(c + r * lds + 16 * h), vs));
+            for (int h = 0; h < 1 + two; h++) {
+                const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(c + r * lds + 16 * h), vs);
+                _mm512_storeu_ps(c + r * lds + 16 * h, v);
+                /* the running maximum over the row's first limits[r] scores; a NaN score
+                 * is skipped (max_ps returns its second operand then), as row_max does */
+                const long left = limits[r] - (kb + h) * 16;
+                if (left > 0) {
+                    const __mmask16 m = left >= 16 ? (__mmask16)0xffff
+                                                   : (__mmask16)((1u << left) - 1);
+                    vmax[r] = _mm512_mask_max_ps(vmax[r], m, v, vmax[r]);
+                }
+            }
     }
     _tile_release();
+    for (int r = 0; r < 32; r++) mx[r] = _mm512_reduce_max_ps(vmax[r]);
 }
 
 /* Prefill attention's P times V (cpu_prefill_attention.c) on AMX tiles: 32 rows of P (bf16,

@@ -43,8 +43,9 @@ void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, 
 }
 
 void mci_amx_scores(const uint16_t *q, long ldq, long d, const uint16_t *kp, long nkb,
-                    float scale, float *s, long lds) {
+                    float scale, float *s, long lds, const long *limits, float *mx) {
     (void)q, (void)ldq, (void)d, (void)kp, (void)nkb, (void)scale, (void)s, (void)lds;
+    (void)limits, (void)mx;
     abort();
 }
 

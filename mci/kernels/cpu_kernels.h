@@ -292,9 +292,10 @@ void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, 
 
 /* Prefill attention's scores on AMX tiles (cpu_amx.c): 32 query rows q [32, d] (row stride
  * ldq; all 32 readable) against nkb blocks of 16 packed keys (cpu_prefill_attention.c's
- * layout) -> s [32][16 nkb] float32 (row stride lds), times scale; d a multiple of 32. */
+ * layout) -> s [32][16 nkb] float32 (row stride lds), times scale, and mx [32]: each row's
+ * maximum over its first limits[r] (<= 16 nkb) scores; d a multiple of 32. */
 void mci_amx_scores(const uint16_t *q, long ldq, long d, const uint16_t *kp, long nkb,
-                    float scale, float *s, long lds);
+                    float scale, float *s, long lds, const long *limits, float *mx);
 
 /* Prefill attention's P [32, 32 nkc] (bf16, row stride ldp) times its packed values
  * (cpu_prefill_attention.c's mci_pack_values) on AMX tiles (cpu_amx.c) -> the first `rows`
