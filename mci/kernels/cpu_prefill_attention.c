@@ -171,16 +171,16 @@ int mci_pack_keys(const uint16_t *k, long ld_b, long ld_h, long ld_l, long batch
 /* ---- The whole of it on AMX tiles (a CPU with AMX-BF16) ----------------------------------------
  * Why: on a 2-core Xeon with AMX-BF16 the scores above run on vdpbf16ps at ~200 GFLOP/s a
  * core pair, where AMX tiles reached 1.4-2.2 TFLOP/s a core (a 32 x 32 block loop, operands
- * in L1 or L2); and P, written to memory by the kernel
- * above and read back by the caller's bmm, is 16 MB a layer for 992 query rows of 8 heads over
- * a 1,024-token shared prefix. Here, for each block of 32 query rows: the scores on AMX
- * (cpu_amx.c's mci_amx_scores: the packed keys are AMX's B layout as they stand), the same
- * softmax as above (softmax_row_from) (P rounded once to bf16, zero past the row's keys), and P times V on
- * AMX (mci_amx_pv) from P still in this thread's cache, each output rounded once to bf16. Each
+ * in L1 or L2); and P, written to memory by the kernel above and read back by the caller's
+ * bmm, is 16 MB a layer for 992 query rows of 8 heads over a 1,024-token shared prefix.
+ * Here, for each block of 32 query rows: the scores on AMX (cpu_amx.c's mci_amx_scores: the
+ * packed keys are AMX's B layout as they stand), the same softmax as above
+ * (softmax_row_from: P rounded once to bf16, zero past the row's keys), and P times V on AMX
+ * (mci_amx_pv) from P still in this thread's cache, each output rounded once to bf16. Each
  * row's maximum score comes from the scores' scaling pass (the value row_max gives: a maximum
- * is exact in any order), sparing softmax_row a pass: measured, 992 query rows of 8 heads over
- * 1,024 keys 2.89-3.08 -> 2.60-2.87 ms a call, 1,056 causal rows 1.99-2.03 -> 1.82-1.98 ms (the
- * two builds alternating, medians of 200 calls, 2-core Xeon).
+ * is exact in any order), sparing the softmax a pass: measured, 992 query rows of 8 heads
+ * over 1,024 keys 2.89-3.08 -> 2.60-2.87 ms a call, 1,056 causal rows 1.99-2.03 -> 1.82-1.98
+ * ms (the two builds alternating, medians of 200 calls, 2-core Xeon).
  *
  * What differs from the path above: each score is a float32 sum of exact bf16 products in
  * AMX's order, not vdpbf16ps's (AMX's order inside a tile step cannot be had on vdpbf16ps:
