@@ -311,10 +311,14 @@ def test_pack_values_is_amx_pair_interleaved_layout(length):
     g = torch.Generator().manual_seed(length)
     values = torch.randn(b, length, h, dv, generator=g).to(torch.bfloat16).transpose(1, 2)
     chunks = -(-length // 32)
-    want = F.pad(values, (0, 0, 0, chunks * 32 - length)).reshape(b * h, chunks, 16, 2, dv // 16, 16)
+    want = F.pad(values, (0, 0, 0, chunks * 32 - length)).reshape(
+        b * h, chunks, 16, 2, dv // 16, 16
+    )
     want = want.permute(0, 1, 4, 2, 5, 3).contiguous()
     got = torch.full_like(want, float("nan"))
-    status = matvec._pack_values(values.data_ptr(), *values.stride()[:3], b, h, length, dv, got.data_ptr())
+    status = matvec._pack_values(
+        values.data_ptr(), *values.stride()[:3], b, h, length, dv, got.data_ptr()
+    )
     assert status == 0
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
