@@ -305,7 +305,7 @@ def test_prefill_attention_on_amx_is_the_vdpbf16ps_path_within_rounding(nq, leng
 @pytest.mark.parametrize("length", [16, 37, 130])
 def test_pack_values_is_amx_pair_interleaved_layout(length):
     """mci_pack_values writes values [B, H, L, dv] (a transposed view read in place) as
-    [B*H, ceil(L/32), dv/16, 16, 16, 2] (pairs of keys interleaved per 16 columns) with zero
+    [B*H, dv/16, ceil(L/32), 16, 16, 2] (pairs of keys interleaved per 16 columns) with zero
     keys past L: torch's permutation of the same tensor, bit for bit."""
     b, h, dv = 2, 3, 64
     g = torch.Generator().manual_seed(length)
@@ -314,7 +314,7 @@ def test_pack_values_is_amx_pair_interleaved_layout(length):
     want = F.pad(values, (0, 0, 0, chunks * 32 - length)).reshape(
         b * h, chunks, 16, 2, dv // 16, 16
     )
-    want = want.permute(0, 1, 4, 2, 5, 3).contiguous()
+    want = want.permute(0, 4, 1, 2, 5, 3).contiguous()
     got = torch.full_like(want, float("nan"))
     status = matvec._pack_values(
         values.data_ptr(), *values.stride()[:3], b, h, length, dv, got.data_ptr()

@@ -66,11 +66,10 @@ void mci_amx_pack(const uint16_t *w, long experts, long n, long k, uint16_t *out
     }
 }
 
-/* 32 rows of a (row stride lda elements) x 32 output features (the tile columns nb, nb + 1
- * of one packed weight) -> c [32][32] float32. */
-static inline void block_32x32(const uint16_t *a, long lda, const uint16_t *wp, long kblocks,
-                               long nb, float *c) {
-    const uint16_t *b0 = wp + nb * kblocks * 512, *b1 = b0 + kblocks * 512;
+/* 32 rows of a (row stride lda elements) x 32 output columns: two tile columns b0, b1 of a
+ * packed B operand (kblocks tiles of 1 KB each, in k order) -> c [32][32] float32. */
+static inline void block_32x32(const uint16_t *a, long lda, const uint16_t *b0,
+                               const uint16_t *b1, long kblocks, float *c) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -140,7 +139,8 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
                 }
                 const Sink block = sink_rows(y, starts[s] + r0);
                 for (long p = p0; p < p1; p++) {
-                    block_32x32(a, lda, wp, kblocks, 2 * p, c);
+                    const uint16_t *b0 = wp + 2 * p * kblocks * 512;
+                    block_32x32(a, lda, b0, b0 + kblocks * 512, kblocks, c);
                     store_block(&block, rows, 32 * p, c);
                 }
             }
@@ -342,40 +342,22 @@ void mci_amx_scores(const uint16_t *q, long ldq, long d, const uint16_t *kp, lon
 
 /* Prefill attention's P times V (cpu_prefill_attention.c) on AMX tiles: 32 rows of P (bf16,
  * row stride ldp elements, zero past each row's keys up to 32 nkc) as A, 32 keys a tile step;
- * the values packed by mci_pack_values ([nkc][dv/16][16 pairs][16][2]: AMX's B layout) as B.
- * Each output is a float32 sum of exact bf16 products, rounded once to bf16 (rne16, torch's
- * rounding), as the bf16 bmm it replaces; the first `rows` rows go to out (row stride
- * ld_out). dv a multiple of 32. */
-void mci_amx_pv(const uint16_t *p, long ldp, const uint16_t *vp, long nkc, long dv, int rows,
-                uint16_t *out, long ld_out) {
-    const long cols = dv / 16;
-    float c[4][256] __attribute__((aligned(64)));
+ * the values packed by mci_pack_values ([dv/16][lc][16 pairs][16][2]: AMX's B layout, each
+ * column tile's chunks of 32 keys in order) as B, block_32x32's operands. Each output is a
+ * float32 sum of exact bf16 products, rounded once to bf16 (rne16, torch's rounding), as the
+ * bf16 bmm it replaces; the first `rows` rows go to out (row stride ld_out). dv a multiple of
+ * 32, nkc <= lc. */
+void mci_amx_pv(const uint16_t *p, long ldp, const uint16_t *vp, long lc, long nkc, long dv,
+                int rows, uint16_t *out, long ld_out) {
+    float c[32 * 32] __attribute__((aligned(64)));
     configure_tiles();
-    for (long ct = 0; ct < cols; ct += 2) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (long kc = 0; kc < nkc; kc++) {
-            const uint16_t *b = vp + (kc * cols + ct) * 512;
-            _tile_loadd(4, p + kc * 32, ldp * 2);
-            _tile_loadd(5, p + 16 * ldp + kc * 32, ldp * 2);
-            _tile_loadd(6, b, 64);
-            _tile_loadd(7, b + 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, c[0], 64);
-        _tile_stored(1, c[1], 64);
-        _tile_stored(2, c[2], 64);
-        _tile_stored(3, c[3], 64);
+    for (long ct = 0; ct < dv / 16; ct += 2) {
+        const uint16_t *b0 = vp + ct * lc * 512;
+        block_32x32(p, ldp, b0, b0 + lc * 512, nkc, c);
         for (int r = 0; r < rows; r++) {
-            const float *top = r < 16 ? c[0] + 16 * r : c[2] + 16 * (r - 16);
             uint16_t *o = out + r * ld_out + ct * 16;
-            _mm256_storeu_si256((__m256i *)o, rne16(_mm512_load_ps(top)));
-            _mm256_storeu_si256((__m256i *)(o + 16), rne16(_mm512_load_ps(top + 256)));
+            _mm256_storeu_si256((__m256i *)o, rne16(_mm512_load_ps(c + r * 32)));
+            _mm256_storeu_si256((__m256i *)(o + 16), rne16(_mm512_load_ps(c + r * 32 + 16)));
         }
     }
     _tile_release();

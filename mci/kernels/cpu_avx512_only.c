@@ -49,8 +49,9 @@ void mci_amx_scores(const uint16_t *q, long ldq, long d, const uint16_t *kp, lon
     abort();
 }
 
-void mci_amx_pv(const uint16_t *p, long ldp, const uint16_t *vp, long nkc, long dv, int rows,
-                uint16_t *out, long ld_out) {
-    (void)p, (void)ldp, (void)vp, (void)nkc, (void)dv, (void)rows, (void)out, (void)ld_out;
+void mci_amx_pv(const uint16_t *p, long ldp, const uint16_t *vp, long lc, long nkc, long dv,
+                int rows, uint16_t *out, long ld_out) {
+    (void)p, (void)ldp, (void)vp, (void)lc, (void)nkc, (void)dv, (void)rows, (void)out;
+    (void)ld_out;
     abort();
 }

@@ -297,10 +297,10 @@ void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, 
 void mci_amx_scores(const uint16_t *q, long ldq, long d, const uint16_t *kp, long nkb,
                     float scale, float *s, long lds, const long *limits, float *mx);
 
-/* Prefill attention's P [32, 32 nkc] (bf16, row stride ldp) times its packed values
- * (cpu_prefill_attention.c's mci_pack_values) on AMX tiles (cpu_amx.c) -> the first `rows`
- * rows of out [32, dv] (bf16, row stride ld_out); dv a multiple of 32. */
-void mci_amx_pv(const uint16_t *p, long ldp, const uint16_t *vp, long nkc, long dv, int rows,
-                uint16_t *out, long ld_out);
+/* Prefill attention's P [32, 32 nkc] (bf16, row stride ldp) times its values packed in lc
+ * chunks of 32 keys (cpu_prefill_attention.c's mci_pack_values) on AMX tiles (cpu_amx.c) ->
+ * the first `rows` rows of out [32, dv] (bf16, row stride ld_out); dv a multiple of 32. */
+void mci_amx_pv(const uint16_t *p, long ldp, const uint16_t *vp, long lc, long nkc, long dv,
+                int rows, uint16_t *out, long ld_out);
 
 #endif

@@ -372,7 +372,7 @@ class CpuKernels:
         length, dv = v.shape[2], v.shape[3]
         chunks = -(-length // 32)
         # values pair-interleaved in chunks of 32 keys, as AMX's B operand takes them
-        vp = torch.empty(b * h, chunks, dv // 16, 16, 16, 2, dtype=torch.bfloat16)
+        vp = torch.empty(b * h, dv // 16, chunks, 16, 16, 2, dtype=torch.bfloat16)
         if v.stride(-1) != 1:
             v = v.contiguous()
         if self._pack_values(v.data_ptr(), *v.stride()[:3], b, h, length, dv, vp.data_ptr()):

@@ -100,6 +100,20 @@ static void softmax_row(float *s, long limit, long lp, uint16_t *p, float *lse) 
     softmax_row_from(s, limit, row_max(s, limit), lp, p, lse);
 }
 
+/* Work item `item` of (group, block of `per` query rows): sets its group, first row, row
+ * count and limits, and returns the most keys any of its rows sees, at most cap. */
+static long item_keys(long item, long blocks, long per, long nq, const int64_t *limits,
+                      long heads, long ld_limits, long cap, long *g, long *r0, int *rows,
+                      const int64_t **lim) {
+    *g = item / blocks;
+    *r0 = (item % blocks) * per;
+    *rows = (int)(nq - *r0 < per ? nq - *r0 : per);
+    *lim = limits + (*g / heads) * ld_limits + *r0;
+    long kend = 0;
+    for (int r = 0; r < *rows; r++) kend = (*lim)[r] > kend ? (*lim)[r] : kend;
+    return kend > cap ? cap : kend; /* the caller's promise; never read past it */
+}
+
 /* Returns 0, or -1 for what it does not take: odd d or q strides, q or kp not 4-byte aligned
  * (a pair is read as one dword), Lp not a multiple of 16 or above 16 Lb. */
 int mci_bf16_prefill_attention_probs(const uint16_t *q, long ld_qb, long ld_qh, long ld_qr,
@@ -115,12 +129,11 @@ int mci_bf16_prefill_attention_probs(const uint16_t *q, long ld_qb, long ld_qh, 
         float *s = (float *)aligned_alloc(64, (size_t)ROWS * lb * 16 * sizeof(float) + 64);
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < groups * blocks; item++) {
-            const long g = item / blocks, r0 = (item % blocks) * ROWS;
-            const int rows = (int)(nq - r0 < ROWS ? nq - r0 : ROWS);
-            const int64_t *lim = limits + (g / heads) * ld_limits + r0;
-            long kend = 0;
-            for (int r = 0; r < rows; r++) kend = lim[r] > kend ? lim[r] : kend;
-            if (kend > lp) kend = lp; /* the caller's promise; never read past P's row */
+            long g, r0;
+            int rows;
+            const int64_t *lim;
+            const long kend = item_keys(item, blocks, ROWS, nq, limits, heads, ld_limits, lp, &g,
+                                        &r0, &rows, &lim); /* at most P's row */
             const long nkb = (kend + 15) / 16;
             const uint16_t *qg = q + (g / heads) * ld_qb + (g % heads) * ld_qh;
             scores_block(qg + r0 * ld_qr, ld_qr, d, kp + g * lb * (d / 2) * 32, nkb, rows, scale,
@@ -190,7 +203,7 @@ int mci_pack_keys(const uint16_t *k, long ld_b, long ld_h, long ld_l, long batch
  * batch or the threads (tests/test_cpu_kernels.py).
  *
  * Layouts: q, kp, limits and lse as mci_bf16_prefill_attention_probs's; d and dv multiples of
- * 32; vp [G, Lc, dv/16, 16, 16, 2] (mci_pack_values; Lc = ceil(L / 32), so Lb = ceil(L / 16)
+ * 32; vp [G, dv/16, Lc, 16, 16, 2] (mci_pack_values; Lc = ceil(L / 32), so Lb = ceil(L / 16)
  * gives Lc = ceil(Lb / 2)); out [G, Q, dv] bf16. Returns 0, or -1 for what it does not take. */
 int mci_amx_prefill_attention(const uint16_t *q, long ld_qb, long ld_qh, long ld_qr,
                               const uint16_t *kp, const uint16_t *vp, const int64_t *limits,
@@ -213,12 +226,11 @@ int mci_amx_prefill_attention(const uint16_t *q, long ld_qb, long ld_qh, long ld
         float mx[AMX_ROWS_BLOCK]; /* each row's maximum score, from the scores' pass */
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < groups * blocks; item++) {
-            const long g = item / blocks, r0 = (item % blocks) * per;
-            const int rows = (int)(nq - r0 < per ? nq - r0 : per);
-            const int64_t *lim = limits + (g / heads) * ld_limits + r0;
-            long kend = 0;
-            for (int r = 0; r < rows; r++) kend = lim[r] > kend ? lim[r] : kend;
-            if (kend > lb * 16) kend = lb * 16; /* the caller's promise; never read past kp */
+            long g, r0;
+            int rows;
+            const int64_t *lim;
+            const long kend = item_keys(item, blocks, per, nq, limits, heads, ld_limits, lb * 16,
+                                        &g, &r0, &rows, &lim); /* at most the packed keys */
             const long nkb = (kend + 15) / 16, nkc = (kend + 31) / 32;
             const uint16_t *qg = q + (g / heads) * ld_qb + (g % heads) * ld_qh, *qb;
             long ldq = ld_qr;
@@ -239,7 +251,7 @@ int mci_amx_prefill_attention(const uint16_t *q, long ld_qb, long ld_qh, long ld
             for (int r = 0; r < rows; r++)
                 softmax_row_from(s + r * lds, limit[r], mx[r], nkc * 32, pb + r * width,
                                  lse + g * nq + r0 + r);
-            mci_amx_pv(pb, width, vp + g * lc * dv * 32, nkc, dv, rows,
+            mci_amx_pv(pb, width, vp + g * lc * dv * 32, lc, nkc, dv, rows,
                        out + (g * nq + r0) * dv, dv);
         }
         free(pad);
@@ -250,8 +262,8 @@ int mci_amx_prefill_attention(const uint16_t *q, long ld_qb, long ld_qh, long ld
 }
 
 /* Values v [B, H, L, dv] (unit element stride, any other strides, 0 repeating) -> vp
- * [B * H, Lc, dv/16, 16, 16, 2] (Lc = ceil(L / 32)): for each 32 keys and 16 value columns,
- * the pairs of keys interleaved, as AMX's B operand takes them (vp[g][kc][ct][p][c][i] =
+ * [B * H, dv/16, Lc, 16, 16, 2] (Lc = ceil(L / 32)): for each 16 value columns and 32 keys,
+ * the pairs of keys interleaved, as AMX's B operand takes them (vp[g][ct][kc][p][c][i] =
  * v[g][32 kc + 2 p + i][16 ct + c]), keys past L zero. dv a multiple of 16; -1 where not. */
 int mci_pack_values(const uint16_t *v, long ld_b, long ld_h, long ld_l, long batch, long heads,
                     long length, long dv, uint16_t *vp) {
@@ -261,12 +273,12 @@ int mci_pack_values(const uint16_t *v, long ld_b, long ld_h, long ld_l, long bat
     for (long item = 0; item < batch * heads * lc; item++) {
         const long g = item / lc, kc = item % lc;
         const uint16_t *src = v + (g / heads) * ld_b + (g % heads) * ld_h;
-        uint16_t *dst = vp + item * cols * 512;
+        uint16_t *dst = vp + (g * cols * lc + kc) * 512; /* column tile 0's chunk kc */
         for (int j = 0; j < 32; j++) { /* key 32 kc + j: pair row j / 2, slot j % 2 */
             const long l = kc * 32 + j;
             for (long ct = 0; ct < cols; ct++)
                 for (int c = 0; c < 16; c++)
-                    dst[ct * 512 + (j / 2) * 32 + c * 2 + j % 2] =
+                    dst[ct * lc * 512 + (j / 2) * 32 + c * 2 + j % 2] =
                         l < length ? src[l * ld_l + ct * 16 + c] : 0;
         }
     }
