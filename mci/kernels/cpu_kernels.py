@@ -25,7 +25,7 @@ within float32 summation order of the skinny kernels, so there a sequence decode
 row, the skinny kernels) and beside others can differ by a bf16 step; batch invariance keeps one
 kernel for every row count. Prefill attention runs there on AMX too where its head dims are
 multiples of 32 (scores, softmax and P V in one call: cpu_prefill_attention.c's
-mci_amx_prefill_attention), but in batch invariance.
+mci_amx_prefill_attention), except in batch invariance.
 
 Results match oneDNN's packed bf16 matmul (float32 sums of exact bf16 products, rounded once
 to nearest even; measured equal on all but a few elements in 10,000, by one bf16 ulp), and a
@@ -310,12 +310,12 @@ class CpuKernels:
         """Attention of many query rows (prefill chunks): q [B, H, Q, d], k [B, H, L, d],
         v [B, H, L, dv] bf16, limits int64 [B or 1, Q] (row r of sequence b sees keys
         0 .. limits[b, r] - 1, 1 <= limit <= L) -> (out [B, H, Q, dv] bf16, log-sum-exp
-        float32 [B, H, Q]). Per chunk of query rows: the scores and the softmax in one kernel
-        call, in float32 (cpu_prefill_attention.c); P (rounded once to bf16) times V in
-        oneDNN's bf16 matmul, its float32 sums rounded once. Callers check d is even.
-        The scores run on AMX tiles where `amx`, the CPU has AMX and d is a multiple of 32
-        (see PREFILL_AMX); a row's result depends only on its own query, keys and limit
-        either way."""
+        float32 [B, H, Q]). Where `amx`, the CPU has AMX and d and dv are multiples of 32:
+        the scores, the softmax and P V in one call on AMX tiles (`_amx_prefill_attention`).
+        Else, per chunk of query rows: the scores and the softmax in one kernel call, in
+        float32 (cpu_prefill_attention.c); P (rounded once to bf16) times V in oneDNN's bf16
+        matmul, its float32 sums rounded once. Callers check d is even. A row's result
+        depends only on its own query, keys and limit either way."""
         b, h, nq, d = q.shape
         length, dv = k.shape[2], v.shape[3]
         blocks = -(-length // 16)

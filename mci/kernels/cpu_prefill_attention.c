@@ -220,7 +220,9 @@ int mci_amx_prefill_attention(const uint16_t *q, long ld_qb, long ld_qh, long ld
 #pragma omp parallel
     {
         float *s = (float *)aligned_alloc(64, sizeof(float) * per * lds + 64);
-        /* P of the block; zero at first, so rows past the block's last never hold NaNs */
+        /* P of the block. Rows past a partial block's last hold an earlier block's P (zero at
+         * first: never uninitialised memory); an AMX output row depends only on its own P row,
+         * and only the block's rows are stored. */
         uint16_t *pb = (uint16_t *)calloc((size_t)per * width, sizeof(uint16_t));
         uint16_t *pad = NULL; /* a last block of fewer than 32 rows, zero below */
         float mx[AMX_ROWS_BLOCK]; /* each row's maximum score, from the scores' pass */

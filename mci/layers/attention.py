@@ -524,7 +524,7 @@ class MultiHeadLatentAttention(nn.Module):
         `causal` or the bool `mask` ([B or 1, 1, Q, L]) also say, for the flash kernel. On
         the CPU kernels (bf16): their prefill attention, ~2.6x the flash kernel's speed at
         1,056 tokens on an AMD EPYC (see cpu_prefill_attention.c); on AMX tiles where the CPU
-        has them, but in batch invariance, which keeps the vdpbf16ps path's bits."""
+        has them, except in batch invariance, which keeps the vdpbf16ps path's bits."""
         kernels = self._prefill_kernels(q)
         if kernels is not None:
             amx = self.fixed_rows is None
