@@ -132,15 +132,18 @@ def test_expert_combine_is_the_weighted_index_add_bit_for_bit():
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize(
     "heads,d,c",
     [(8, 160, 128), (3, 33, 17), (12, 96, 80), (16, 576, 512)],  # `small`; odd tails; V3's
 )
-def test_latent_decode_attention_reads_the_cache_through_slots(heads, d, c):
+def test_latent_decode_attention_reads_the_cache_through_slots(heads, d, c, amx):
     """Equal to softmax attention over the gathered rows (float64 reference), within bf16
     rounding; padding slots past a sequence's length are never read; sequences independent.
     Shapes with partial blocks (heads not a multiple of 8, d of 32, c of 32; lengths not of
-    16) go through the kernel's repeated-key and repeated-head paths."""
+    16) go through the kernel's repeated-key and repeated-head paths. With `amx` (where the
+    CPU has it and d and c are multiples of 32) on AMX tiles, which run from two sequences
+    on: a sequence alone is compared in a batch of itself twice."""
     g = torch.Generator().manual_seed(1)
     scale = 0.1
     cache = torch.randn(300, d, generator=g).to(torch.bfloat16)
@@ -150,16 +153,20 @@ def test_latent_decode_attention_reads_the_cache_through_slots(heads, d, c):
         slots[b, :n] = torch.randperm(299, generator=g)[:n] + 1
     slots[0, 37:] = 10**9  # never read: far outside the cache
     q = torch.randn(4, heads, d, generator=g).to(torch.bfloat16)
-    out = matvec.latent_decode_attention(q, cache, slots, lengths, c, scale)
+    out = matvec.latent_decode_attention(q, cache, slots, lengths, c, scale, amx)
+    alone_batch = 2 if amx else 1
     for b, n in enumerate(lengths.tolist()):
         rows = cache[slots[b, :n]].double()  # [n, d]
         p = torch.softmax(q[b].double() @ rows.t() * scale, dim=-1)
         ref = p @ rows[:, :c]
-        assert (out[b].double() - ref).abs().max() < 0.01, b
+        # on AMX, P is rounded to bf16 before P V: a bf16 step of a probability more
+        tol = 0.01 + (2**-8 * rows[:, :c].abs().max().item() if amx else 0.0)
+        assert (out[b].double() - ref).abs().max() < tol, b
+        pick = [b] * alone_batch
         alone = matvec.latent_decode_attention(
-            q[b : b + 1], cache, slots[b : b + 1], lengths[b : b + 1], c, scale
+            q[pick], cache, slots[pick], lengths[pick], c, scale, amx
         )
-        assert torch.equal(alone[0], out[b])
+        assert torch.equal(alone[0], out[b]) and torch.equal(alone[-1], out[b])
     wide = cpu_kernels.MAX_LATENT + 16  # past the kernel's buffers: refused, never overrun
     big = torch.zeros(4, wide + 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="value_dim"):
@@ -300,6 +307,33 @@ def test_prefill_attention_on_amx_is_the_vdpbf16ps_path_within_rounding(nq, leng
         assert (amx_lse - old_lse).abs().max() < 1e-5
         assert (amx.float() - old.float()).abs().max() <= 2**-8 * vs.float().abs().max()
         assert (amx == old).float().mean() > 0.99
+
+
+@pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")
+@pytest.mark.parametrize("heads, d, c", [(8, 160, 128), (40, 576, 512)])  # `small`; V3's
+def test_latent_decode_attention_on_amx_is_the_passes_within_rounding(heads, d, c):
+    """The AMX path against the vdpbf16ps passes: apart by at most what one bf16 step of a
+    probability moves an output (P is rounded to bf16 before P V there, kept in float32
+    here); lengths across AMX_KEYS' blocks and partial 16- and 32-key blocks, 40 heads over
+    two work items (32 and 8). A sequence past AMX_MAX_KEYS (4,096) stays on the passes, bit
+    for bit, and so does a call of fewer work items (32 heads each) than threads."""
+    g = torch.Generator().manual_seed(heads)
+    cache = torch.randn(6000, d, generator=g).to(torch.bfloat16)
+    lengths = torch.tensor([1, 17, 300, 513, 4097])
+    slots = torch.stack([torch.randperm(6000, generator=g)[:4097] for _ in lengths])
+    q = torch.randn(len(lengths), heads, d, generator=g).to(torch.bfloat16)
+    scale = d**-0.5
+    amx = matvec.latent_decode_attention(q, cache, slots, lengths, c, scale, True)
+    old = matvec.latent_decode_attention(q, cache, slots, lengths, c, scale, False)
+    values = cache[:, :c].float().abs().max()
+    assert (amx[:4].float() - old[:4].float()).abs().max() <= 2**-8 * values
+    assert not torch.equal(amx[:4], old[:4])  # the AMX path ran
+    assert torch.equal(amx[4], old[4])  # past AMX_MAX_KEYS
+    one = matvec.latent_decode_attention(q[2:3], cache, slots[2:3], lengths[2:3], c, scale, True)
+    if -(-heads // 32) < torch.get_num_threads():  # fewer work items than threads
+        assert torch.equal(one[0], old[2])
+    else:
+        assert torch.equal(one[0], amx[2])
 
 
 @pytest.mark.parametrize("length", [16, 37, 130])

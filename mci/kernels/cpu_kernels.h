@@ -290,6 +290,11 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
 void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
                         long n0, long n1);
 
+/* A row's softmax (cpu_prefill_attention.c): s, its scaled float32 scores (overwritten with
+ * their exps), over its first `limit`, mx their maximum -> p [lp] (lp a multiple of 16, >=
+ * limit) rounded once to bf16, zero past the limit, and lse (-inf for an empty row). */
+void mci_softmax_probs(float *s, long limit, float mx, long lp, uint16_t *p, float *lse);
+
 /* Prefill attention's scores on AMX tiles (cpu_amx.c): 32 query rows q [32, d] (row stride
  * ldq; all 32 readable) against nkb blocks of 16 packed keys (cpu_prefill_attention.c's
  * layout) -> s [32][16 nkb] float32 (row stride lds), times scale, and mx [32]: each row's

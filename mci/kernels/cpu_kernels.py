@@ -25,7 +25,9 @@ within float32 summation order of the skinny kernels, so there a sequence decode
 row, the skinny kernels) and beside others can differ by a bf16 step; batch invariance keeps one
 kernel for every row count. Prefill attention runs there on AMX too where its head dims are
 multiples of 32 (scores, softmax and P V in one call: cpu_prefill_attention.c's
-mci_amx_prefill_attention), except in batch invariance.
+mci_amx_prefill_attention), except in batch invariance; and decode attention, where a call has a
+work item of whole heads for every thread (2+ sequences on this 2-core machine), for each
+sequence of up to 4,096 keys (cpu_mla.c's amx_attend_one: P rounded to bf16 before P V).
 
 Results match oneDNN's packed bf16 matmul (float32 sums of exact bf16 products, rounded once
 to nearest even; measured equal on all but a few elements in 10,000, by one bf16 ulp), and a
@@ -247,7 +249,7 @@ class CpuKernels:
         self._combine.restype = None
         self._attention = lib.mci_bf16_latent_decode_attention
         self._attention.argtypes = [ptr, ptr, ptr, long, ptr, long, long, long, long,
-                                    ctypes.c_float, ptr]  # fmt: skip
+                                    ctypes.c_float, ptr, ctypes.c_int]  # fmt: skip
         self._attention.restype = ctypes.c_int
         self._rms_norm = lib.mci_rms_norm
         self._rms_norm.argtypes = [ptr, long, ctypes.c_int, ptr, ptr, ctypes.c_int, long, long,
@@ -499,12 +501,15 @@ class CpuKernels:
         lengths: torch.Tensor,
         value_dim: int,
         scale: float,
+        amx: bool = False,
     ) -> torch.Tensor:
         """Decode attention read through slot indices: q [B, H, d] (one query per sequence),
         cache [rows, d] (one layer's latent rows, key and value at once), slots [B, L] int64
         (sequence b's context is slots[b, :lengths[b]]) -> [B, H, value_dim], the softmax-
         weighted sum of each context row's first value_dim columns; bf16. value_dim is at
-        most MAX_LATENT (callers check it first)."""
+        most MAX_LATENT (callers check it first). With `amx`, where the CPU has AMX and d and
+        value_dim are multiples of 32: on AMX tiles, P rounded to bf16 before P V (cpu_mla.c's
+        amx_attend_one: within a bf16 step of a probability of the other path)."""
         batch, heads, d = q.shape
         q = q.contiguous()
         if cache.stride(1) != 1 or cache.stride(0) != d or slots.stride(1) != 1:
@@ -522,6 +527,7 @@ class CpuKernels:
             value_dim,
             scale,
             out.data_ptr(),
+            int(amx and self.amx),
         )
         if status != 0:
             raise ValueError(f"latent_decode_attention: value_dim {value_dim} > {MAX_LATENT}")

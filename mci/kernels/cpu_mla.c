@@ -20,6 +20,7 @@
 
 #define MAX_HEADS_PER_ITEM 16
 #define MAX_LATENT 1024 /* c: DeepSeek-V3 has 512 */
+#define AMX_HEADS 32 /* on AMX, a work item's heads: mci_amx_scores' block of query rows */
 
 #ifdef __AVX512F__
 #define HEAD_BLOCK 8   /* heads whose values share one pass over the key rows (pass 2) */
@@ -179,6 +180,137 @@ static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const i
     free(acc);
 }
 
+/* ---- The same attention on AMX tiles (a CPU with AMX-BF16) ---------------------------------
+ * Why: on a 2-core Xeon with AMX-BF16 the passes above took 14% of the samples (perf) of a
+ * 32-request decode step of `small` at 128-256 tokens of context. Here a work item's heads
+ * are the query rows of prefill attention's AMX kernels (cpu_amx.c's mci_amx_scores and
+ * mci_amx_pv, cpu_prefill_attention.c's softmax), and its latent rows, read through the
+ * slots, are packed into their B layouts a few at a time, so the packs stay in L1/L2:
+ *   scores: AMX_KEYS keys at a time, each block of 16 keys transposed as 16 x 16 pairs;
+ *   P V:    32 value columns at a time over every key, pairs of keys interleaved.
+ * Measured (the two paths alternating in one process): 32 sequences of 192 keys, 8 heads,
+ * 87-90 -> 75-77 us a layer with the rows in cache; the 32-request step of `small` 17.2-18.0
+ * -> 15.3-17.4 ms (alternating processes, 3 of each, on a busy host). What is left is mostly
+ * the wait for the rows themselves: a sequence's decoded rows are scattered over the pool.
+ * What differs from the passes above (the bound, tests/test_cpu_kernels.py): each score is a
+ * float32 sum in AMX's order; P is normalised and rounded once to bf16 before P V (as the
+ * prefill kernels and the reference's eager attention do), where the passes above keep it in
+ * float32 and divide at the end; P V's sums are AMX's order. A sequence's result still
+ * depends only on its own query, rows and length, whatever the other sequences or the
+ * threads, as long as the call stays on AMX (mci_bf16_latent_decode_attention: from a work
+ * item per thread, as the linears from 2 rows). */
+#define AMX_KEYS 256 /* keys packed at a time for the scores (80 KB at d = 160) */
+/* the longest context on AMX: a thread's scores, P and packed values for 32 heads then take
+ * ~1.1 MB, inside this Xeon's 2 MB of L2 (at 8,192 keys they spilled, and 2 sequences took
+ * 1.2 ms a layer against the passes above's 0.47) */
+#define AMX_MAX_KEYS 4096
+
+/* Keys [0, n) through their slots -> kp [ceil(n / 16)][d / 2][16][2] (mci_amx_scores' B
+ * operand: block kb's pair-row t holds dims 2t, 2t + 1 of its 16 keys), keys past n zero. */
+static void pack_slot_keys(const uint16_t *cache, const int64_t *slots, long n, long d,
+                           uint16_t *kp) {
+    for (long kb = 0; kb * 16 < n; kb++) {
+        const uint16_t *rows[16];
+        for (int j = 0; j < 16; j++) rows[j] = kb * 16 + j < n ? cache + slots[kb * 16 + j] * d : 0;
+        /* the next block's rows on their way while this one is transposed: the rows sit where
+         * the slots put them, so the hardware prefetchers do not see them coming */
+        for (long l = (kb + 1) * 16; l < (kb + 2) * 16 && l < n; l++)
+            for (long e = 0; e < d; e += 32)
+                _mm_prefetch((const char *)(cache + slots[l] * d + e), _MM_HINT_T0);
+        for (long t = 0; t < d / 32; t++) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = rows[j] ? _mm512_loadu_si512(rows[j] + 32 * t) : _mm512_setzero_si512();
+            transpose16(r); /* r[p] lane j: key j's pair 16 t + p */
+            uint16_t *dst = kp + (kb * (d / 2) + 16 * t) * 32;
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(dst + p * 32, r[p]);
+        }
+    }
+}
+
+/* Value columns [c0, c0 + 32) of keys [0, n) through their slots -> vp [2][lc][16][16][2]
+ * (mci_amx_pv's B operand for those 32 columns: vp[ct][kc][p][j][i] = value column
+ * c0 + 16 ct + j of key 32 kc + 2 p + i), keys past n zero. */
+static void pack_slot_values(const uint16_t *cache, const int64_t *slots, long n, long d,
+                             long c0, long lc, uint16_t *vp) {
+    __m512i lo, hi; /* a's column j to lane 2 j, b's to lane 2 j + 1: the first 16, the last */
+    uint16_t idx[64];
+    for (int j = 0; j < 16; j++) {
+        idx[2 * j] = j, idx[2 * j + 1] = 32 + j;
+        idx[32 + 2 * j] = 16 + j, idx[32 + 2 * j + 1] = 48 + j;
+    }
+    lo = _mm512_loadu_si512(idx);
+    hi = _mm512_loadu_si512(idx + 32);
+    for (long kc = 0; kc < lc; kc++)
+        for (int p = 0; p < 16; p++) {
+            const long l = kc * 32 + 2 * p;
+            const __m512i a = l < n ? _mm512_loadu_si512(cache + slots[l] * d + c0)
+                                    : _mm512_setzero_si512();
+            const __m512i b = l + 1 < n ? _mm512_loadu_si512(cache + slots[l + 1] * d + c0)
+                                        : _mm512_setzero_si512();
+            _mm512_storeu_si512(vp + kc * 512 + p * 32, _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(vp + (lc + kc) * 512 + p * 32,
+                                _mm512_permutex2var_epi16(a, hi, b));
+        }
+}
+
+/* A thread's room for amx_attend_one, for contexts of up to max_len keys. */
+typedef struct {
+    uint16_t *q;  /* [AMX_HEADS][d]: the item's heads, zero below */
+    float *s;     /* [AMX_HEADS][lds] scores */
+    uint16_t *p;  /* [AMX_HEADS][width] probabilities */
+    uint16_t *kp; /* AMX_KEYS packed keys */
+    uint16_t *vp; /* 32 value columns of every key, packed */
+    long lds, width;
+} AmxRoom;
+
+static AmxRoom amx_room(long max_len, long d) {
+    AmxRoom w;
+    const long lc = (max_len + 31) / 32;
+    /* row strides 64 bytes past the keys' (cpu_prefill_attention.c: not all in one L1 set) */
+    w.lds = lc * 32 + 16;
+    w.width = lc * 32 + 32;
+    w.q = aligned_alloc(64, sizeof(uint16_t) * AMX_HEADS * d);
+    w.s = aligned_alloc(64, sizeof(float) * AMX_HEADS * w.lds);
+    w.p = calloc((size_t)AMX_HEADS * w.width, sizeof(uint16_t)); /* rows never written: 0 */
+    w.kp = aligned_alloc(64, sizeof(uint16_t) * AMX_KEYS * d);
+    w.vp = aligned_alloc(64, sizeof(uint16_t) * lc * 1024);
+    return w;
+}
+
+static void amx_room_free(AmxRoom *w) {
+    free(w->q), free(w->s), free(w->p), free(w->kp), free(w->vp);
+}
+
+/* attend_one's result on AMX tiles (the bound above); heads <= AMX_HEADS, d and c multiples
+ * of 32. */
+static void amx_attend_one(const uint16_t *q, long d, const uint16_t *cache,
+                           const int64_t *slots, long len, long c, float scale, uint16_t *out,
+                           int heads, AmxRoom *w) {
+    memcpy(w->q, q, sizeof(uint16_t) * heads * d);
+    memset(w->q + heads * d, 0, sizeof(uint16_t) * (AMX_HEADS - heads) * d);
+    float mx[AMX_HEADS];
+    for (int h = 0; h < AMX_HEADS; h++) mx[h] = -INFINITY;
+    for (long k0 = 0; k0 < len; k0 += AMX_KEYS) {
+        const long n = len - k0 < AMX_KEYS ? len - k0 : AMX_KEYS;
+        long limit[AMX_HEADS];
+        float part[AMX_HEADS]; /* the block's maxima: the row's is the largest (exact) */
+        for (int h = 0; h < AMX_HEADS; h++) limit[h] = h < heads ? n : 0;
+        pack_slot_keys(cache, slots + k0, n, d, w->kp);
+        mci_amx_scores(w->q, d, d, w->kp, (n + 15) / 16, scale, w->s + k0, w->lds, limit, part);
+        for (int h = 0; h < heads; h++) mx[h] = part[h] > mx[h] ? part[h] : mx[h];
+    }
+    const long lc = (len + 31) / 32;
+    for (int h = 0; h < heads; h++) {
+        float lse;
+        mci_softmax_probs(w->s + h * w->lds, len, mx[h], lc * 32, w->p + h * w->width, &lse);
+    }
+    for (long c0 = 0; c0 < c; c0 += 32) {
+        pack_slot_values(cache, slots, len, d, c0, lc, w->vp);
+        mci_amx_pv(w->p, w->width, w->vp, lc, lc, 32, heads, out + c0, c);
+    }
+}
+
 #else /* AVX2 (cpu_avx2.h): the AVX-512 code's sums and exps, lane for lane */
 
 #define HEAD_BLOCK 4 /* heads whose scores share one pass over a key row (8 accumulators) */
@@ -283,31 +415,65 @@ static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const i
 #endif
 
 /* Returns 0, or -1 when c or d exceed what the kernel takes (the AVX2 code's fixed buffers;
- * the caller falls back). */
+ * the caller falls back). With `amx` (a CPU with AMX; d and c multiples of 32), where every
+ * thread gets a work item of whole heads (AMX_HEADS at most): each sequence of at most
+ * AMX_MAX_KEYS keys on AMX tiles (amx_attend_one), the others as without. */
 int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
                                      const int64_t *slots, long ldslots, const int64_t *lens,
                                      long batch, long heads, long d, long c, float scale,
-                                     uint16_t *out) {
+                                     uint16_t *out, int amx) {
     if (c > MAX_LATENT || d > 4 * MAX_LATENT) return -1;
     const int threads = omp_get_max_threads();
-    /* few sequences: split the heads too, so every thread has work */
-    long per = heads;
-    if (batch < threads) per = (heads * batch + threads - 1) / threads;
-    if (per > MAX_HEADS_PER_ITEM) per = MAX_HEADS_PER_ITEM;
-    if (per < 1) per = 1;
+#ifdef __AVX512F__
+    amx = amx && d % 32 == 0 && c % 32 == 0;
+#else
+    amx = 0;
+#endif
+    long per = heads < AMX_HEADS ? heads : AMX_HEADS;
+    /* a sequence's heads split over threads would each pack its rows again (and work items
+     * of a few heads waste most of a tile; one sequence of 8 heads over 288 keys took 22 us
+     * against the passes' 17): so with fewer work items than threads, no AMX */
+    if (amx && batch * ((heads + per - 1) / per) < threads) amx = 0;
+    if (!amx) {
+        per = heads;
+        /* few sequences: split the heads too, so every thread has work */
+        if (batch < threads) per = (heads * batch + threads - 1) / threads;
+        if (per > MAX_HEADS_PER_ITEM) per = MAX_HEADS_PER_ITEM;
+        if (per < 1) per = 1;
+    }
     const long groups = (heads + per - 1) / per;
+    const long per_pass = per < MAX_HEADS_PER_ITEM ? per : MAX_HEADS_PER_ITEM; /* attend_one's */
     long max_len = 0;
     for (long b = 0; b < batch; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
 #pragma omp parallel
     {
-        float *scores = (float *)aligned_alloc(64, ((per * max_len * 4 + 63) / 64) * 64 + 64);
+        float *scores = (float *)aligned_alloc(64, ((per_pass * max_len * 4 + 63) / 64) * 64 + 64);
+#ifdef __AVX512F__
+        AmxRoom room = {0};
+        if (amx) room = amx_room(max_len < AMX_MAX_KEYS ? max_len : AMX_MAX_KEYS, d);
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < batch * groups; item++) {
             const long b = item / groups, h0 = (item % groups) * per;
             const int nh = (int)((heads - h0) < per ? (heads - h0) : per);
-            attend_one(q + (b * heads + h0) * d, d, cache, slots + b * ldslots, lens[b], c, scale,
-                       out + (b * heads + h0) * c, nh, scores);
+            const uint16_t *qi = q + (b * heads + h0) * d;
+            uint16_t *oi = out + (b * heads + h0) * c;
+#ifdef __AVX512F__
+            if (amx && lens[b] <= AMX_MAX_KEYS) {
+                amx_attend_one(qi, d, cache, slots + b * ldslots, lens[b], c, scale, oi, nh,
+                               &room);
+                continue;
+            }
+#endif
+            /* each head alone, so as many at a time as the scores' room takes */
+            for (int hh = 0; hh < nh; hh += MAX_HEADS_PER_ITEM)
+                attend_one(qi + hh * d, d, cache, slots + b * ldslots, lens[b], c, scale,
+                           oi + hh * c, nh - hh < MAX_HEADS_PER_ITEM ? nh - hh : MAX_HEADS_PER_ITEM,
+                           scores);
         }
+#ifdef __AVX512F__
+        if (amx) amx_room_free(&room);
+#endif
         free(scores);
     }
     return 0;
@@ -426,8 +592,10 @@ int mci_mla_decode(const float *x, long t, long hidden, const uint16_t *norm_w,
         for (long h = 0; h < heads; h++)
             rope_row(q + i * ldq + h * qk + nope, cos + i * (r / 2), sin + i * (r / 2), r,
                      interleave, q_full + (i * heads + h) * d + c);
+    /* on AMX where the layer's per-head weights are (their amx_rows: 0 in batch invariance,
+     * as the torch path's `_amx_rows()`) */
     mci_bf16_latent_decode_attention(q_full, cache, kv_slots, ld_slots, lens, t, heads, d, c,
-                                     scale, att);
+                                     scale, att, w_uk_t->amx_rows > 0);
     per_head(att, heads * c, c, w_uv, heads, c, v, o_in, heads * v, v, t);
     mci_linear(o_in, heads * v, w_o, o, hidden, t, hidden, heads * v);
 #pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)

@@ -64,8 +64,9 @@ static float row_max(const float *s, long limit) {
     return mx;
 }
 
-/* mx: the row's maximum over its first `limit` scores (row_max's value) */
-static void softmax_row_from(float *s, long limit, float mx, long lp, uint16_t *p, float *lse) {
+/* One row's probabilities (cpu_kernels.h); mx: its maximum over its first `limit` scores
+ * (row_max's value) */
+void mci_softmax_probs(float *s, long limit, float mx, long lp, uint16_t *p, float *lse) {
     long l;
     const __m512 vmx = _mm512_set1_ps(mx);
     /* pass 1: the sum of exps (the same vector order for every row of this limit) */
@@ -97,7 +98,7 @@ static void softmax_row_from(float *s, long limit, float mx, long lp, uint16_t *
 }
 
 static void softmax_row(float *s, long limit, long lp, uint16_t *p, float *lse) {
-    softmax_row_from(s, limit, row_max(s, limit), lp, p, lse);
+    mci_softmax_probs(s, limit, row_max(s, limit), lp, p, lse);
 }
 
 /* Work item `item` of (group, block of `per` query rows): sets its group, first row, row
@@ -188,7 +189,7 @@ int mci_pack_keys(const uint16_t *k, long ld_b, long ld_h, long ld_l, long batch
  * bmm, is 16 MB a layer for 992 query rows of 8 heads over a 1,024-token shared prefix.
  * Here, for each block of 32 query rows: the scores on AMX (cpu_amx.c's mci_amx_scores: the
  * packed keys are AMX's B layout as they stand), the same softmax as above
- * (softmax_row_from: P rounded once to bf16, zero past the row's keys), and P times V on AMX
+ * (mci_softmax_probs: P rounded once to bf16, zero past the row's keys), and P times V on AMX
  * (mci_amx_pv) from P still in this thread's cache, each output rounded once to bf16. Each
  * row's maximum score comes from the scores' scaling pass (the value row_max gives: a maximum
  * is exact in any order), sparing the softmax a pass: measured, 992 query rows of 8 heads
@@ -251,7 +252,7 @@ int mci_amx_prefill_attention(const uint16_t *q, long ld_qb, long ld_qh, long ld
             mci_amx_scores(qb, ldq, d, kp + g * lb * (d / 2) * 32, nkb, scale, s, lds, limit,
                            mx);
             for (int r = 0; r < rows; r++)
-                softmax_row_from(s + r * lds, limit[r], mx[r], nkc * 32, pb + r * width,
+                mci_softmax_probs(s + r * lds, limit[r], mx[r], nkc * 32, pb + r * width,
                                  lse + g * nq + r0 + r);
             mci_amx_pv(pb, width, vp + g * lc * dv * 32, lc, nkc, dv, rows,
                        out + (g * nq + r0) * dv, dv);

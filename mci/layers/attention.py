@@ -447,8 +447,15 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv_t, w_uk_t, w_uv = self._absorb_weights(q_nope.dtype)
         q_lat = self._per_head(q_nope, w_uk, w_uk_t)  # [B, H, kv_lora]
         q_full = torch.cat((q_lat, q_rope), dim=-1)  # [B, H, kv_lora + rope]
+        # on AMX where the per-head weights are (the one-call step decides so: cpu_mla.c)
         out_lat = matvec.latent_decode_attention(
-            q_full, kv_cache, group.kv_slots, group.lengths, self.kv_lora_rank, self.scale
+            q_full,
+            kv_cache,
+            group.kv_slots,
+            group.lengths,
+            self.kv_lora_rank,
+            self.scale,
+            amx=self._amx_rows() > 0,
         )
         return self._per_head(out_lat, w_uv_t, w_uv)
 
