@@ -142,8 +142,8 @@ def test_latent_decode_attention_reads_the_cache_through_slots(heads, d, c, amx)
     rounding; padding slots past a sequence's length are never read; sequences independent.
     Shapes with partial blocks (heads not a multiple of 8, d of 32, c of 32; lengths not of
     16) go through the kernel's repeated-key and repeated-head paths. With `amx` (where the
-    CPU has it and d and c are multiples of 32) on AMX tiles, which run from two sequences
-    on: a sequence alone is compared in a batch of itself twice."""
+    CPU has it and d and c are multiples of 32) on AMX tiles, a sequence alone with every
+    thread on it and the same bits as in a batch."""
     g = torch.Generator().manual_seed(1)
     scale = 0.1
     cache = torch.randn(300, d, generator=g).to(torch.bfloat16)
@@ -154,7 +154,6 @@ def test_latent_decode_attention_reads_the_cache_through_slots(heads, d, c, amx)
     slots[0, 37:] = 10**9  # never read: far outside the cache
     q = torch.randn(4, heads, d, generator=g).to(torch.bfloat16)
     out = matvec.latent_decode_attention(q, cache, slots, lengths, c, scale, amx)
-    alone_batch = 2 if amx else 1
     for b, n in enumerate(lengths.tolist()):
         rows = cache[slots[b, :n]].double()  # [n, d]
         p = torch.softmax(q[b].double() @ rows.t() * scale, dim=-1)
@@ -162,11 +161,11 @@ def test_latent_decode_attention_reads_the_cache_through_slots(heads, d, c, amx)
         # on AMX, P is rounded to bf16 before P V: a bf16 step of a probability more
         tol = 0.01 + (2**-8 * rows[:, :c].abs().max().item() if amx else 0.0)
         assert (out[b].double() - ref).abs().max() < tol, b
-        pick = [b] * alone_batch
+        pick = slice(b, b + 1)
         alone = matvec.latent_decode_attention(
             q[pick], cache, slots[pick], lengths[pick], c, scale, amx
         )
-        assert torch.equal(alone[0], out[b]) and torch.equal(alone[-1], out[b])
+        assert torch.equal(alone[0], out[b])
     wide = cpu_kernels.MAX_LATENT + 16  # past the kernel's buffers: refused, never overrun
     big = torch.zeros(4, wide + 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="value_dim"):
@@ -316,7 +315,9 @@ def test_latent_decode_attention_on_amx_is_the_passes_within_rounding(heads, d, 
     probability moves an output (P is rounded to bf16 before P V there, kept in float32
     here); lengths across AMX_KEYS' blocks and partial 16- and 32-key blocks, 40 heads over
     two work items (32 and 8). A sequence past AMX_MAX_KEYS (4,096) stays on the passes, bit
-    for bit, and so does a call of fewer work items (32 heads each) than threads."""
+    for bit. A sequence's bits are its own whatever the batch and the threads: alone (its
+    keys, heads and value columns split over the threads) as in a batch of five, and on one
+    thread as on all (the split path and the work-item path)."""
     g = torch.Generator().manual_seed(heads)
     cache = torch.randn(6000, d, generator=g).to(torch.bfloat16)
     lengths = torch.tensor([1, 17, 300, 513, 4097])
@@ -329,11 +330,24 @@ def test_latent_decode_attention_on_amx_is_the_passes_within_rounding(heads, d, 
     assert (amx[:4].float() - old[:4].float()).abs().max() <= 2**-8 * values
     assert not torch.equal(amx[:4], old[:4])  # the AMX path ran
     assert torch.equal(amx[4], old[4])  # past AMX_MAX_KEYS
-    one = matvec.latent_decode_attention(q[2:3], cache, slots[2:3], lengths[2:3], c, scale, True)
-    if -(-heads // 32) < torch.get_num_threads():  # fewer work items than threads
-        assert torch.equal(one[0], old[2])
-    else:
-        assert torch.equal(one[0], amx[2])
+    threads = torch.get_num_threads()
+    for b in range(len(lengths)):
+        pick = slice(b, b + 1)
+        one = matvec.latent_decode_attention(
+            q[pick], cache, slots[pick], lengths[pick], c, scale, True
+        )
+        assert torch.equal(one[0], amx[b]), b
+    pair = [2, 4]  # one on AMX, one past it
+    for n in (1, 4):  # the work-item path; at 4 threads on 8 heads, the split path for both
+        torch.set_num_threads(n)
+        try:
+            every = matvec.latent_decode_attention(q, cache, slots, lengths, c, scale, True)
+            two = matvec.latent_decode_attention(
+                q[pair], cache, slots[pair], lengths[pair], c, scale, True
+            )
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(every, amx) and torch.equal(two, amx[pair]), n
 
 
 @pytest.mark.parametrize("length", [16, 37, 130])

@@ -90,6 +90,23 @@ static inline void block_32x32(const uint16_t *a, long lda, const uint16_t *b0,
     _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
+/* block_32x32's first 16 rows (c [16][32]): the same sums, for a block whose other rows are
+ * not wanted (a decode work item of 16 heads or fewer). */
+static inline void block_16x32(const uint16_t *a, long lda, const uint16_t *b0,
+                               const uint16_t *b1, long kblocks, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (long kb = 0; kb < kblocks; kb++) {
+        _tile_loadd(4, a + kb * 32, lda * 2);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        _tile_loadd(7, b1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+}
+
 /* The first `rows` rows of c [32][32] (output features n0 .. n0 + 31) into the sink, as
  * cpu_matvec.c's store() does element by element. */
 static inline void store_block(const Sink *s, long rows, long n0, const float *c) {
@@ -293,36 +310,43 @@ void mci_amx_scores(const uint16_t *q, long ldq, long d, const uint16_t *kp, lon
     const __m512 vs = _mm512_set1_ps(scale);
     __m512 vmax[32];
     for (int r = 0; r < 32; r++) vmax[r] = _mm512_set1_ps(-INFINITY);
+    /* rows past the last with keys are neither scaled nor kept (nobody reads them), and the
+     * second 16 not computed when none of them has keys (a decode item of 16 heads or fewer) */
+    int rows = 32;
+    while (rows > 0 && limits[rows - 1] <= 0) rows--;
+    const int low = rows > 16;
     configure_tiles();
     for (long kb = 0; kb < nkb; kb += 2) {
         const int two = kb + 1 < nkb;
         const uint16_t *b0 = kp + kb * block, *b1 = b0 + block;
         _tile_zero(0);
-        _tile_zero(2);
+        if (low) _tile_zero(2);
         if (two) {
             _tile_zero(1);
-            _tile_zero(3);
+            if (low) _tile_zero(3);
         }
         for (long t = 0; t < steps; t++) {
             _tile_loadd(4, q + t * 32, ldq * 2);
-            _tile_loadd(5, q + 16 * ldq + t * 32, ldq * 2);
             _tile_loadd(6, b0 + t * 512, 64);
             _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(2, 5, 6);
+            if (low) {
+                _tile_loadd(5, q + 16 * ldq + t * 32, ldq * 2);
+                _tile_dpbf16ps(2, 5, 6);
+            }
             if (two) {
                 _tile_loadd(7, b1 + t * 512, 64);
                 _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(3, 5, 7);
+                if (low) _tile_dpbf16ps(3, 5, 7);
             }
         }
         float *c = s + kb * 16;
         _tile_stored(0, c, lds * 4);
-        _tile_stored(2, c + 16 * lds, lds * 4);
+        if (low) _tile_stored(2, c + 16 * lds, lds * 4);
         if (two) {
             _tile_stored(1, c + 16, lds * 4);
-            _tile_stored(3, c + 16 * lds + 16, lds * 4);
+            if (low) _tile_stored(3, c + 16 * lds + 16, lds * 4);
         }
-        for (int r = 0; r < 32; r++) /* still in L1: the scale, as the vdpbf16ps path's */
+        for (int r = 0; r < rows; r++) /* still in L1: the scale, as the vdpbf16ps path's */
             for (int h = 0; h < 1 + two; h++) {
                 const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(c + r * lds + 16 * h), vs);
                 _mm512_storeu_ps(c + r * lds + 16 * h, v);
@@ -353,7 +377,8 @@ void mci_amx_pv(const uint16_t *p, long ldp, const uint16_t *vp, long lc, long n
     configure_tiles();
     for (long ct = 0; ct < dv / 16; ct += 2) {
         const uint16_t *b0 = vp + ct * lc * 512;
-        block_32x32(p, ldp, b0, b0 + lc * 512, nkc, c);
+        if (rows <= 16) block_16x32(p, ldp, b0, b0 + lc * 512, nkc, c);
+        else block_32x32(p, ldp, b0, b0 + lc * 512, nkc, c);
         for (int r = 0; r < rows; r++) {
             uint16_t *o = out + r * ld_out + ct * 16;
             _mm256_storeu_si256((__m256i *)o, rne16(_mm512_load_ps(c + r * 32)));

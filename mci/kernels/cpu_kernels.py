@@ -25,9 +25,9 @@ within float32 summation order of the skinny kernels, so there a sequence decode
 row, the skinny kernels) and beside others can differ by a bf16 step; batch invariance keeps one
 kernel for every row count. Prefill attention runs there on AMX too where its head dims are
 multiples of 32 (scores, softmax and P V in one call: cpu_prefill_attention.c's
-mci_amx_prefill_attention), except in batch invariance; and decode attention, where a call has a
-work item of whole heads for every thread (2+ sequences on this 2-core machine), for each
-sequence of up to 4,096 keys (cpu_mla.c's amx_attend_one: P rounded to bf16 before P V).
+mci_amx_prefill_attention), except in batch invariance; and decode attention, for each sequence
+of up to 4,096 keys, whatever the batch (cpu_mla.c's amx_attend_one, or amx_attend_split for a
+sequence alone: P rounded to bf16 before P V; a sequence's bits never depend on its batch).
 
 Results match oneDNN's packed bf16 matmul (float32 sums of exact bf16 products, rounded once
 to nearest even; measured equal on all but a few elements in 10,000, by one bf16 ulp), and a

@@ -197,13 +197,18 @@ static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const i
  * prefill kernels and the reference's eager attention do), where the passes above keep it in
  * float32 and divide at the end; P V's sums are AMX's order. A sequence's result still
  * depends only on its own query, rows and length, whatever the other sequences or the
- * threads, as long as the call stays on AMX (mci_bf16_latent_decode_attention: from a work
- * item per thread, as the linears from 2 rows). */
+ * threads: which sequences run on AMX is decided by their own lengths alone. A work item of 16
+ * heads or fewer leaves the tiles' second 16 rows out (mci_amx_scores, mci_amx_pv): 32
+ * sequences of 192 keys, 8 heads, 141 -> 113 us a layer. */
 #define AMX_KEYS 256 /* keys packed at a time for the scores (80 KB at d = 160) */
 /* the longest context on AMX: a thread's scores, P and packed values for 32 heads then take
  * ~1.1 MB, inside this Xeon's 2 MB of L2 (at 8,192 keys they spilled, and 2 sequences took
  * 1.2 ms a layer against the passes above's 0.47) */
 #define AMX_MAX_KEYS 4096
+/* a work item alone in its call: split over the threads from this many keys; below, the
+ * threads' start and barriers cost more than they save (8 heads of `small`, 2 threads: 288
+ * keys 17.9 us on one thread, 18.6 split; 1,024 keys 45.0 and 36.9) */
+#define SPLIT_MIN_KEYS 512
 
 /* Keys [0, n) through their slots -> kp [ceil(n / 16)][d / 2][16][2] (mci_amx_scores' B
  * operand: block kb's pair-row t holds dims 2t, 2t + 1 of its 16 keys), keys past n zero. */
@@ -254,17 +259,18 @@ static void pack_slot_values(const uint16_t *cache, const int64_t *slots, long n
         }
 }
 
-/* A thread's room for amx_attend_one, for contexts of up to max_len keys. */
+/* A thread's room for amx_attend_one, or a call's for amx_attend_split (a kp and a vp per
+ * thread: `packs`), for contexts of up to max_len keys. */
 typedef struct {
     uint16_t *q;  /* [AMX_HEADS][d]: the item's heads, zero below */
     float *s;     /* [AMX_HEADS][lds] scores */
     uint16_t *p;  /* [AMX_HEADS][width] probabilities */
-    uint16_t *kp; /* AMX_KEYS packed keys */
-    uint16_t *vp; /* 32 value columns of every key, packed */
-    long lds, width;
+    uint16_t *kp; /* [packs][AMX_KEYS * d] packed keys */
+    uint16_t *vp; /* [packs][lc * 1024]: 32 value columns of every key, packed */
+    long lds, width, lc;
 } AmxRoom;
 
-static AmxRoom amx_room(long max_len, long d) {
+static AmxRoom amx_room(long max_len, long d, int packs) {
     AmxRoom w;
     const long lc = (max_len + 31) / 32;
     /* row strides 64 bytes past the keys' (cpu_prefill_attention.c: not all in one L1 set) */
@@ -273,8 +279,9 @@ static AmxRoom amx_room(long max_len, long d) {
     w.q = aligned_alloc(64, sizeof(uint16_t) * AMX_HEADS * d);
     w.s = aligned_alloc(64, sizeof(float) * AMX_HEADS * w.lds);
     w.p = calloc((size_t)AMX_HEADS * w.width, sizeof(uint16_t)); /* rows never written: 0 */
-    w.kp = aligned_alloc(64, sizeof(uint16_t) * AMX_KEYS * d);
-    w.vp = aligned_alloc(64, sizeof(uint16_t) * lc * 1024);
+    w.lc = lc;
+    w.kp = aligned_alloc(64, sizeof(uint16_t) * AMX_KEYS * d * packs);
+    w.vp = aligned_alloc(64, sizeof(uint16_t) * lc * 1024 * packs);
     return w;
 }
 
@@ -309,6 +316,60 @@ static void amx_attend_one(const uint16_t *q, long d, const uint16_t *cache,
         pack_slot_values(cache, slots, len, d, c0, lc, w->vp);
         mci_amx_pv(w->p, w->width, w->vp, lc, lc, 32, heads, out + c0, c);
     }
+}
+
+/* amx_attend_split's signature for amx_attend_one, on the calling thread alone */
+static void amx_attend_alone(const uint16_t *q, long d, const uint16_t *cache,
+                             const int64_t *slots, long len, long c, float scale, uint16_t *out,
+                             int heads, AmxRoom *w, int threads) {
+    (void)threads;
+    amx_attend_one(q, d, cache, slots, len, c, scale, out, heads, w);
+}
+
+/* amx_attend_one's result, bit for bit, with every thread on the one work item: fewer items
+ * than threads (a sequence alone) would otherwise leave threads idle. Each score is its own
+ * key's sum, each row's maximum is exact in any order, each row's softmax runs in one thread,
+ * and each output column sums its keys in AMX's order on whichever thread: so the split
+ * (keys for the scores, heads for the softmax, 32-column tiles for P V) moves no bit. The
+ * threads' chunks of keys are whole 32-key blocks, so no tile store crosses into another
+ * thread's scores. */
+static void amx_attend_split(const uint16_t *q, long d, const uint16_t *cache,
+                             const int64_t *slots, long len, long c, float scale, uint16_t *out,
+                             int heads, AmxRoom *w, int threads) {
+    memcpy(w->q, q, sizeof(uint16_t) * heads * d);
+    memset(w->q + heads * d, 0, sizeof(uint16_t) * (AMX_HEADS - heads) * d);
+    const long lc = (len + 31) / 32;
+    long chunk = (lc + threads - 1) / threads * 32; /* whole 32-key blocks */
+    if (chunk > AMX_KEYS) chunk = AMX_KEYS;
+    const long chunks = (len + chunk - 1) / chunk;
+    float *part = malloc(sizeof(float) * chunks * AMX_HEADS);
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t *kp = w->kp + omp_get_thread_num() * AMX_KEYS * d;
+        uint16_t *vp = w->vp + omp_get_thread_num() * w->lc * 1024;
+#pragma omp for schedule(static)
+        for (long i = 0; i < chunks; i++) {
+            const long k0 = i * chunk, n = len - k0 < chunk ? len - k0 : chunk;
+            long limit[AMX_HEADS];
+            for (int h = 0; h < AMX_HEADS; h++) limit[h] = h < heads ? n : 0;
+            pack_slot_keys(cache, slots + k0, n, d, kp);
+            mci_amx_scores(w->q, d, d, kp, (n + 15) / 16, scale, w->s + k0, w->lds, limit,
+                           part + i * AMX_HEADS);
+        }
+#pragma omp for schedule(static)
+        for (int h = 0; h < heads; h++) {
+            float mx = -INFINITY, lse;
+            for (long i = 0; i < chunks; i++)
+                mx = part[i * AMX_HEADS + h] > mx ? part[i * AMX_HEADS + h] : mx;
+            mci_softmax_probs(w->s + h * w->lds, len, mx, lc * 32, w->p + h * w->width, &lse);
+        }
+#pragma omp for schedule(static)
+        for (long c0 = 0; c0 < c; c0 += 32) {
+            pack_slot_values(cache, slots, len, d, c0, lc, vp);
+            mci_amx_pv(w->p, w->width, vp, lc, lc, 32, heads, out + c0, c);
+        }
+    }
+    free(part);
 }
 
 #else /* AVX2 (cpu_avx2.h): the AVX-512 code's sums and exps, lane for lane */
@@ -415,9 +476,12 @@ static void attend_one(const uint16_t *q, long d, const uint16_t *cache, const i
 #endif
 
 /* Returns 0, or -1 when c or d exceed what the kernel takes (the AVX2 code's fixed buffers;
- * the caller falls back). With `amx` (a CPU with AMX; d and c multiples of 32), where every
- * thread gets a work item of whole heads (AMX_HEADS at most): each sequence of at most
- * AMX_MAX_KEYS keys on AMX tiles (amx_attend_one), the others as without. */
+ * the caller falls back). With `amx` (a CPU with AMX; d and c multiples of 32): each sequence
+ * of at most AMX_MAX_KEYS keys on AMX tiles, in work items of whole heads (AMX_HEADS at most),
+ * the others as without. A sequence's bits never depend on the batch or the threads (the
+ * engine's batch invariance: a request decodes alone as in a batch): with a work item per
+ * thread or more, each item on one thread (amx_attend_one); with fewer, each item with every
+ * thread in turn (amx_attend_split), or on one below SPLIT_MIN_KEYS; the same sums. */
 int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
                                      const int64_t *slots, long ldslots, const int64_t *lens,
                                      long batch, long heads, long d, long c, float scale,
@@ -430,10 +494,30 @@ int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
     amx = 0;
 #endif
     long per = heads < AMX_HEADS ? heads : AMX_HEADS;
-    /* a sequence's heads split over threads would each pack its rows again (and work items
-     * of a few heads waste most of a tile; one sequence of 8 heads over 288 keys took 22 us
-     * against the passes' 17): so with fewer work items than threads, no AMX */
-    if (amx && batch * ((heads + per - 1) / per) < threads) amx = 0;
+#ifdef __AVX512F__
+    int split_done = 0; /* the sequences of at most AMX_MAX_KEYS keys are written */
+    /* fewer work items than threads (a sequence alone): each item with every thread in turn
+     * (amx_attend_split, the same bits), since splitting its heads would pack its rows once
+     * per thread and waste most of a tile */
+    if (amx && batch * ((heads + per - 1) / per) < threads) {
+        long max_len = 0, longer = 0;
+        for (long b = 0; b < batch; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+        AmxRoom room = amx_room(max_len < AMX_MAX_KEYS ? max_len : AMX_MAX_KEYS, d, threads);
+        for (long b = 0; b < batch; b++) {
+            if (lens[b] > AMX_MAX_KEYS) {
+                longer++;
+                continue;
+            }
+            for (long h0 = 0; h0 < heads; h0 += per)
+                (lens[b] < SPLIT_MIN_KEYS ? amx_attend_alone : amx_attend_split)(q + (b * heads + h0) * d, d, cache, slots + b * ldslots, lens[b],
+                                 c, scale, out + (b * heads + h0) * c,
+                                 (int)(heads - h0 < per ? heads - h0 : per), &room, threads);
+        }
+        amx_room_free(&room);
+        if (!longer) return 0;
+        split_done = 1, amx = 0; /* the longer ones: the passes, their heads over the threads */
+    }
+#endif
     if (!amx) {
         per = heads;
         /* few sequences: split the heads too, so every thread has work */
@@ -450,7 +534,7 @@ int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
         float *scores = (float *)aligned_alloc(64, ((per_pass * max_len * 4 + 63) / 64) * 64 + 64);
 #ifdef __AVX512F__
         AmxRoom room = {0};
-        if (amx) room = amx_room(max_len < AMX_MAX_KEYS ? max_len : AMX_MAX_KEYS, d);
+        if (amx) room = amx_room(max_len < AMX_MAX_KEYS ? max_len : AMX_MAX_KEYS, d, 1);
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < batch * groups; item++) {
@@ -459,6 +543,7 @@ int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
             const uint16_t *qi = q + (b * heads + h0) * d;
             uint16_t *oi = out + (b * heads + h0) * c;
 #ifdef __AVX512F__
+            if (split_done && lens[b] <= AMX_MAX_KEYS) continue;
             if (amx && lens[b] <= AMX_MAX_KEYS) {
                 amx_attend_one(qi, d, cache, slots + b * ldslots, lens[b], c, scale, oi, nh,
                                &room);
