@@ -298,7 +298,9 @@ void mci_softmax_probs(float *s, long limit, float mx, long lp, uint16_t *p, flo
 /* Prefill attention's scores on AMX tiles (cpu_amx.c): 32 query rows q [32, d] (row stride
  * ldq; all 32 readable) against nkb blocks of 16 packed keys (cpu_prefill_attention.c's
  * layout) -> s [32][16 nkb] float32 (row stride lds), times scale, and mx [32]: each row's
- * maximum over its first limits[r] (<= 16 nkb) scores; d a multiple of 32. */
+ * maximum over its first limits[r] (<= 16 nkb) scores; d a multiple of 32. Rows past the last
+ * with limits[r] > 0 hold no defined scores (left unscaled, or unwritten from 16 on), and
+ * their mx is -inf. */
 void mci_amx_scores(const uint16_t *q, long ldq, long d, const uint16_t *kp, long nkb,
                     float scale, float *s, long lds, const long *limits, float *mx);
 

@@ -318,14 +318,6 @@ static void amx_attend_one(const uint16_t *q, long d, const uint16_t *cache,
     }
 }
 
-/* amx_attend_split's signature for amx_attend_one, on the calling thread alone */
-static void amx_attend_alone(const uint16_t *q, long d, const uint16_t *cache,
-                             const int64_t *slots, long len, long c, float scale, uint16_t *out,
-                             int heads, AmxRoom *w, int threads) {
-    (void)threads;
-    amx_attend_one(q, d, cache, slots, len, c, scale, out, heads, w);
-}
-
 /* amx_attend_one's result, bit for bit, with every thread on the one work item: fewer items
  * than threads (a sequence alone) would otherwise leave threads idle. Each score is its own
  * key's sum, each row's maximum is exact in any order, each row's softmax runs in one thread,
@@ -339,7 +331,7 @@ static void amx_attend_split(const uint16_t *q, long d, const uint16_t *cache,
     memcpy(w->q, q, sizeof(uint16_t) * heads * d);
     memset(w->q + heads * d, 0, sizeof(uint16_t) * (AMX_HEADS - heads) * d);
     const long lc = (len + 31) / 32;
-    long chunk = (lc + threads - 1) / threads * 32; /* whole 32-key blocks */
+    long chunk = (lc + threads - 1) / threads * 32; /* whole 32-key blocks; len >= 1 */
     if (chunk > AMX_KEYS) chunk = AMX_KEYS;
     const long chunks = (len + chunk - 1) / chunk;
     float *part = malloc(sizeof(float) * chunks * AMX_HEADS);
@@ -500,18 +492,30 @@ int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
      * (amx_attend_split, the same bits), since splitting its heads would pack its rows once
      * per thread and waste most of a tile */
     if (amx && batch * ((heads + per - 1) / per) < threads) {
-        long max_len = 0, longer = 0;
-        for (long b = 0; b < batch; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-        AmxRoom room = amx_room(max_len < AMX_MAX_KEYS ? max_len : AMX_MAX_KEYS, d, threads);
+        long max_len = 0, longer = 0, split = 0;
+        for (long b = 0; b < batch; b++) {
+            max_len = lens[b] > max_len ? lens[b] : max_len;
+            split |= lens[b] >= SPLIT_MIN_KEYS && lens[b] <= AMX_MAX_KEYS;
+        }
+        /* a key and a value pack per thread where one splits, else the caller's alone */
+        AmxRoom room = amx_room(max_len < AMX_MAX_KEYS ? max_len : AMX_MAX_KEYS, d,
+                                split ? threads : 1);
         for (long b = 0; b < batch; b++) {
             if (lens[b] > AMX_MAX_KEYS) {
                 longer++;
                 continue;
             }
-            for (long h0 = 0; h0 < heads; h0 += per)
-                (lens[b] < SPLIT_MIN_KEYS ? amx_attend_alone : amx_attend_split)(q + (b * heads + h0) * d, d, cache, slots + b * ldslots, lens[b],
-                                 c, scale, out + (b * heads + h0) * c,
-                                 (int)(heads - h0 < per ? heads - h0 : per), &room, threads);
+            for (long h0 = 0; h0 < heads; h0 += per) {
+                const int nh = (int)(heads - h0 < per ? heads - h0 : per);
+                const uint16_t *qi = q + (b * heads + h0) * d;
+                uint16_t *oi = out + (b * heads + h0) * c;
+                if (lens[b] < SPLIT_MIN_KEYS)
+                    amx_attend_one(qi, d, cache, slots + b * ldslots, lens[b], c, scale, oi, nh,
+                                   &room);
+                else
+                    amx_attend_split(qi, d, cache, slots + b * ldslots, lens[b], c, scale, oi, nh,
+                                     &room, threads);
+            }
         }
         amx_room_free(&room);
         if (!longer) return 0;
