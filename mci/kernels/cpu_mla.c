@@ -487,19 +487,22 @@ int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
 #endif
     long per = heads < AMX_HEADS ? heads : AMX_HEADS;
 #ifdef __AVX512F__
+    /* the longest context that runs on AMX: the rooms' size; none (every sequence past
+     * AMX_MAX_KEYS, as at 8k and 16k of context) -> no room at all, the passes */
+    long fit_len = 0;
+    for (long b = 0; b < batch; b++)
+        if (lens[b] <= AMX_MAX_KEYS && lens[b] > fit_len) fit_len = lens[b];
+    if (fit_len == 0) amx = 0;
     int split_done = 0; /* the sequences of at most AMX_MAX_KEYS keys are written */
     /* fewer work items than threads (a sequence alone): each item with every thread in turn
      * (amx_attend_split, the same bits), since splitting its heads would pack its rows once
      * per thread and waste most of a tile */
     if (amx && batch * ((heads + per - 1) / per) < threads) {
-        long max_len = 0, longer = 0, split = 0;
-        for (long b = 0; b < batch; b++) {
-            max_len = lens[b] > max_len ? lens[b] : max_len;
+        long longer = 0, split = 0;
+        for (long b = 0; b < batch; b++)
             split |= lens[b] >= SPLIT_MIN_KEYS && lens[b] <= AMX_MAX_KEYS;
-        }
         /* a key and a value pack per thread where one splits, else the caller's alone */
-        AmxRoom room = amx_room(max_len < AMX_MAX_KEYS ? max_len : AMX_MAX_KEYS, d,
-                                split ? threads : 1);
+        AmxRoom room = amx_room(fit_len, d, split ? threads : 1);
         for (long b = 0; b < batch; b++) {
             if (lens[b] > AMX_MAX_KEYS) {
                 longer++;
@@ -538,7 +541,7 @@ int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
         float *scores = (float *)aligned_alloc(64, ((per_pass * max_len * 4 + 63) / 64) * 64 + 64);
 #ifdef __AVX512F__
         AmxRoom room = {0};
-        if (amx) room = amx_room(max_len < AMX_MAX_KEYS ? max_len : AMX_MAX_KEYS, d, 1);
+        if (amx) room = amx_room(fit_len, d, 1);
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < batch * groups; item++) {
