@@ -142,8 +142,8 @@ def test_latent_decode_attention_reads_the_cache_through_slots(heads, d, c, amx)
     rounding; padding slots past a sequence's length are never read; sequences independent.
     Shapes with partial blocks (heads not a multiple of 8, d of 32, c of 32; lengths not of
     16) go through the kernel's repeated-key and repeated-head paths. With `amx` (where the
-    CPU has it and d and c are multiples of 32) on AMX tiles, a sequence alone with every
-    thread on it and the same bits as in a batch."""
+    CPU has it and d and c are multiples of 32) on AMX tiles, a sequence alone on the same
+    path, with the same bits, as in a batch."""
     g = torch.Generator().manual_seed(1)
     scale = 0.1
     cache = torch.randn(300, d, generator=g).to(torch.bfloat16)
@@ -331,14 +331,18 @@ def test_latent_decode_attention_on_amx_is_the_passes_within_rounding(heads, d, 
     assert not torch.equal(amx[:4], old[:4])  # the AMX path ran
     assert torch.equal(amx[4], old[4])  # past AMX_MAX_KEYS
     threads = torch.get_num_threads()
-    for b in range(len(lengths)):
+    for b in range(len(lengths)):  # alone; 513 keys split over the threads (8 heads)
         pick = slice(b, b + 1)
         one = matvec.latent_decode_attention(
             q[pick], cache, slots[pick], lengths[pick], c, scale, True
         )
         assert torch.equal(one[0], amx[b]), b
-    pair = [2, 4]  # one on AMX, one past it
-    for n in (1, 4):  # the work-item path; at 4 threads on 8 heads, the split path for both
+    pair = [3, 4]  # 513 keys on AMX, 4,097 past it
+    # 1 thread: the work-item path for both calls. 4 threads: the batch still has a work
+    # item per thread; the pair has fewer, so 513 keys split over 4 threads (chunks of 160
+    # keys, against 256 at 2) and 4,097 on the passes after it (for 8 heads; 40 heads give
+    # the pair 4 items, the work-item path again)
+    for n in (1, 4):
         torch.set_num_threads(n)
         try:
             every = matvec.latent_decode_attention(q, cache, slots, lengths, c, scale, True)

@@ -289,33 +289,57 @@ static void amx_room_free(AmxRoom *w) {
     free(w->q), free(w->s), free(w->p), free(w->kp), free(w->vp);
 }
 
-/* attend_one's result on AMX tiles (the bound above); heads <= AMX_HEADS, d and c multiples
- * of 32. */
+/* The steps of a work item on AMX, shared by amx_attend_one and amx_attend_split: each
+ * writes its own part of the room, so the two compute the same sums whichever thread runs a
+ * step. heads <= AMX_HEADS, d and c multiples of 32. */
+static void amx_take_queries(AmxRoom *w, const uint16_t *q, int heads, long d) {
+    memcpy(w->q, q, sizeof(uint16_t) * heads * d);
+    memset(w->q + heads * d, 0, sizeof(uint16_t) * (AMX_HEADS - heads) * d);
+}
+
+/* Scores of keys [k0, k0 + n) (n <= AMX_KEYS; k0 a multiple of 32, so no tile store reaches
+ * another call's keys) into w->s, packed through kp; each row's maximum over them -> part. */
+static void amx_scores_keys(AmxRoom *w, uint16_t *kp, const uint16_t *cache,
+                            const int64_t *slots, long k0, long n, long d, int heads,
+                            float scale, float *part) {
+    long limit[AMX_HEADS];
+    for (int h = 0; h < AMX_HEADS; h++) limit[h] = h < heads ? n : 0;
+    pack_slot_keys(cache, slots + k0, n, d, kp);
+    mci_amx_scores(w->q, d, d, kp, (n + 15) / 16, scale, w->s + k0, w->lds, limit, part);
+}
+
+/* Head h's probabilities over its len scores, mx their maximum, into w->p. */
+static void amx_probs(AmxRoom *w, int h, long len, float mx) {
+    float lse;
+    mci_softmax_probs(w->s + h * w->lds, len, mx, (len + 31) / 32 * 32, w->p + h * w->width,
+                      &lse);
+}
+
+/* Value columns [c0, c0 + 32) of every head's output, packed through vp. */
+static void amx_values_tile(AmxRoom *w, uint16_t *vp, const uint16_t *cache,
+                            const int64_t *slots, long len, long d, long c0, int heads,
+                            uint16_t *out, long c) {
+    const long lc = (len + 31) / 32;
+    pack_slot_values(cache, slots, len, d, c0, lc, vp);
+    mci_amx_pv(w->p, w->width, vp, lc, lc, 32, heads, out + c0, c);
+}
+
+/* attend_one's result on AMX tiles (the bound above), on the calling thread. */
 static void amx_attend_one(const uint16_t *q, long d, const uint16_t *cache,
                            const int64_t *slots, long len, long c, float scale, uint16_t *out,
                            int heads, AmxRoom *w) {
-    memcpy(w->q, q, sizeof(uint16_t) * heads * d);
-    memset(w->q + heads * d, 0, sizeof(uint16_t) * (AMX_HEADS - heads) * d);
+    amx_take_queries(w, q, heads, d);
     float mx[AMX_HEADS];
     for (int h = 0; h < AMX_HEADS; h++) mx[h] = -INFINITY;
     for (long k0 = 0; k0 < len; k0 += AMX_KEYS) {
-        const long n = len - k0 < AMX_KEYS ? len - k0 : AMX_KEYS;
-        long limit[AMX_HEADS];
         float part[AMX_HEADS]; /* the block's maxima: the row's is the largest (exact) */
-        for (int h = 0; h < AMX_HEADS; h++) limit[h] = h < heads ? n : 0;
-        pack_slot_keys(cache, slots + k0, n, d, w->kp);
-        mci_amx_scores(w->q, d, d, w->kp, (n + 15) / 16, scale, w->s + k0, w->lds, limit, part);
+        amx_scores_keys(w, w->kp, cache, slots, k0, len - k0 < AMX_KEYS ? len - k0 : AMX_KEYS,
+                        d, heads, scale, part);
         for (int h = 0; h < heads; h++) mx[h] = part[h] > mx[h] ? part[h] : mx[h];
     }
-    const long lc = (len + 31) / 32;
-    for (int h = 0; h < heads; h++) {
-        float lse;
-        mci_softmax_probs(w->s + h * w->lds, len, mx[h], lc * 32, w->p + h * w->width, &lse);
-    }
-    for (long c0 = 0; c0 < c; c0 += 32) {
-        pack_slot_values(cache, slots, len, d, c0, lc, w->vp);
-        mci_amx_pv(w->p, w->width, w->vp, lc, lc, 32, heads, out + c0, c);
-    }
+    for (int h = 0; h < heads; h++) amx_probs(w, h, len, mx[h]);
+    for (long c0 = 0; c0 < c; c0 += 32)
+        amx_values_tile(w, w->vp, cache, slots, len, d, c0, heads, out, c);
 }
 
 /* amx_attend_one's result, bit for bit, with every thread on the one work item: fewer items
@@ -328,8 +352,7 @@ static void amx_attend_one(const uint16_t *q, long d, const uint16_t *cache,
 static void amx_attend_split(const uint16_t *q, long d, const uint16_t *cache,
                              const int64_t *slots, long len, long c, float scale, uint16_t *out,
                              int heads, AmxRoom *w, int threads) {
-    memcpy(w->q, q, sizeof(uint16_t) * heads * d);
-    memset(w->q + heads * d, 0, sizeof(uint16_t) * (AMX_HEADS - heads) * d);
+    amx_take_queries(w, q, heads, d);
     const long lc = (len + 31) / 32;
     long chunk = (lc + threads - 1) / threads * 32; /* whole 32-key blocks; len >= 1 */
     if (chunk > AMX_KEYS) chunk = AMX_KEYS;
@@ -340,26 +363,20 @@ static void amx_attend_split(const uint16_t *q, long d, const uint16_t *cache,
         uint16_t *kp = w->kp + omp_get_thread_num() * AMX_KEYS * d;
         uint16_t *vp = w->vp + omp_get_thread_num() * w->lc * 1024;
 #pragma omp for schedule(static)
-        for (long i = 0; i < chunks; i++) {
-            const long k0 = i * chunk, n = len - k0 < chunk ? len - k0 : chunk;
-            long limit[AMX_HEADS];
-            for (int h = 0; h < AMX_HEADS; h++) limit[h] = h < heads ? n : 0;
-            pack_slot_keys(cache, slots + k0, n, d, kp);
-            mci_amx_scores(w->q, d, d, kp, (n + 15) / 16, scale, w->s + k0, w->lds, limit,
-                           part + i * AMX_HEADS);
-        }
+        for (long i = 0; i < chunks; i++)
+            amx_scores_keys(w, kp, cache, slots, i * chunk,
+                            len - i * chunk < chunk ? len - i * chunk : chunk, d, heads, scale,
+                            part + i * AMX_HEADS);
 #pragma omp for schedule(static)
         for (int h = 0; h < heads; h++) {
-            float mx = -INFINITY, lse;
+            float mx = -INFINITY;
             for (long i = 0; i < chunks; i++)
                 mx = part[i * AMX_HEADS + h] > mx ? part[i * AMX_HEADS + h] : mx;
-            mci_softmax_probs(w->s + h * w->lds, len, mx, lc * 32, w->p + h * w->width, &lse);
+            amx_probs(w, h, len, mx);
         }
 #pragma omp for schedule(static)
-        for (long c0 = 0; c0 < c; c0 += 32) {
-            pack_slot_values(cache, slots, len, d, c0, lc, vp);
-            mci_amx_pv(w->p, w->width, vp, lc, lc, 32, heads, out + c0, c);
-        }
+        for (long c0 = 0; c0 < c; c0 += 32)
+            amx_values_tile(w, vp, cache, slots, len, d, c0, heads, out, c);
     }
     free(part);
 }
