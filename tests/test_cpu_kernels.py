@@ -197,6 +197,53 @@ def test_rms_norm_kernel_takes_the_eager_steps(x_dtype, out_dtype):
             assert (fused == eager).float().mean() > 0.95
 
 
+def _both_builds():
+    """This machine's kernels and the AVX2 build (which CPUs without AVX-512 load)."""
+    avx2 = ctypes.CDLL(str(build.built_library("avx2")))
+    return [matvec, cpu_kernels.CpuKernels(avx2, "avx2", False, False)]
+
+
+@pytest.mark.parametrize("addend_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_add_then_norm_is_the_residual_add_and_the_norm_bit_for_bit(addend_dtype, out_dtype):
+    """RMSNorm.add_then_norm on the kernels (one pass a row): the sum is torch's x + a, and
+    its norm the kernels' norm of that sum, bit for bit, in both builds, over strided rows
+    and widths that are not a multiple of 16."""
+    from mci.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    for kernels in _both_builds():
+        for n in (512, 100, 7):
+            norm = RMSNorm(n, 1e-6, torch.bfloat16)
+            norm.weight.data = torch.randn(n, generator=g).to(torch.bfloat16)
+            assert norm.use_kernels(kernels)
+            x = (5 * torch.randn(40, n + 8, generator=g))[:, 3 : 3 + n]  # row stride n + 8
+            a = (5 * torch.randn(40, n, generator=g)).to(addend_dtype)
+            total, normed = norm.add_then_norm(x, a, out_dtype)
+            assert torch.equal(total, x + a)
+            assert torch.equal(normed, norm(x + a, out_dtype))
+            assert normed.dtype == out_dtype
+
+
+@pytest.mark.parametrize("b, q, heads, dv", [(31, 32, 8, 64), (2, 7, 3, 40), (1, 9, 2, 17)])
+def test_cascade_merge_on_the_kernels_is_the_torch_merge_bit_for_bit(b, q, heads, dv):
+    """merge_partials (cascade attention's log-sum-exp merge of its two partial results, in
+    their own layouts) gives the bits of the torch ops it stands in for, in both builds."""
+    g = torch.Generator().manual_seed(b * q + dv)
+    n = b * q
+    first = (3 * torch.randn(1, heads, n, dv, generator=g)).bfloat16()
+    second = (3 * torch.randn(b, heads, q, dv, generator=g)).bfloat16()
+    lse_p = (5 * torch.randn(heads, n, generator=g)).transpose(0, 1)
+    lse_r = (5 * torch.randn(b, heads, q, generator=g)).transpose(1, 2).reshape(n, heads)
+    top = torch.maximum(lse_p, lse_r)
+    w_p, w_r = (lse_p - top).exp(), (lse_r - top).exp()
+    out = first[0].transpose(0, 1).float() * w_p[..., None]
+    out = out + second.transpose(1, 2).reshape(n, heads, dv).float() * w_r[..., None]
+    ref = (out / (w_p + w_r)[..., None]).to(torch.bfloat16)
+    for kernels in _both_builds():
+        assert torch.equal(kernels.merge_partials(first, second, w_p, w_r), ref)
+
+
 @pytest.mark.parametrize("t", [5, 60])
 @pytest.mark.parametrize("interleave", [True, False])
 def test_rope_and_latent_rows_are_the_eager_values(interleave, t):

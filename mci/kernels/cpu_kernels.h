@@ -227,6 +227,8 @@ void mci_packed_rows_range(const uint16_t *packed, const uint16_t *w, long k, Si
 void mci_share(long n, int id, int count, long *n0, long *n1);
 
 /* RMSNorm rows of float32 or bf16 x into float32 or bf16 y. cpu_matvec.c. */
+void mci_add_rms_norm(const float *x, long ldx, const void *a, int a_bf16, float *sum,
+                      const uint16_t *w, void *y, int y_bf16, long rows, long n, float eps);
 void mci_rms_norm(const void *x, long ldx, int x_bf16, const uint16_t *w, void *y, int y_bf16,
                   long rows, long n, float eps);
 /* One row of it, with no parallel region of its own (for callers inside one, or writing a row
@@ -293,6 +295,9 @@ void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, 
 /* A row's softmax (cpu_prefill_attention.c): s, its scaled float32 scores (overwritten with
  * their exps), over its first `limit`, mx their maximum -> p [lp] (lp a multiple of 16, >=
  * limit) rounded once to bf16, zero past the limit, and lse (-inf for an empty row). */
+void mci_merge_partials(const uint16_t *first, long f_ldh, long f_ldn, const uint16_t *second,
+                        long s_ldb, long s_ldh, long s_ldq, long q_len, const float *wf,
+                        const float *ws, long n, long heads, long dv, uint16_t *out);
 void mci_softmax_probs(float *s, long limit, float mx, long lp, uint16_t *p, float *lse);
 
 /* Prefill attention's scores on AMX tiles (cpu_amx.c): 32 query rows q [32, d] (row stride

@@ -255,6 +255,14 @@ class CpuKernels:
         self._rms_norm.argtypes = [ptr, long, ctypes.c_int, ptr, ptr, ctypes.c_int, long, long,
                                    ctypes.c_float]  # fmt: skip
         self._rms_norm.restype = None
+        self._add_rms_norm = lib.mci_add_rms_norm
+        self._add_rms_norm.argtypes = [ptr, long, ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int,
+                                       long, long, ctypes.c_float]  # fmt: skip
+        self._add_rms_norm.restype = None
+        self._merge = lib.mci_merge_partials
+        self._merge.argtypes = [ptr, long, long, ptr, long, long, long, long, ptr, ptr, long, long,
+                                long, ptr]  # fmt: skip
+        self._merge.restype = None
         self._rope = lib.mci_rope_heads
         self._rope.argtypes = [ptr, long, long, ptr, ptr, long, long, long, ctypes.c_int, ptr]
         self._rope.restype = None
@@ -554,6 +562,65 @@ class CpuKernels:
             eps,
         )
         return y
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        addend: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + addend, rms_norm(x + addend)) in one pass: x float32 [rows, n] (any row
+        stride), addend bf16 or float32 [rows, n] -> (the sum float32 [rows, n], a new tensor;
+        its norm in out_dtype), the same bits as `x + addend` and then `rms_norm`."""
+        rows, n = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        addend = addend.contiguous()
+        total = torch.empty(rows, n, dtype=torch.float32)
+        y = torch.empty(rows, n, dtype=out_dtype)
+        self._add_rms_norm(
+            x.data_ptr(),
+            x.stride(0),
+            addend.data_ptr(),
+            int(addend.dtype == torch.bfloat16),
+            total.data_ptr(),
+            weight.data_ptr(),
+            y.data_ptr(),
+            int(out_dtype == torch.bfloat16),
+            rows,
+            n,
+            eps,
+        )
+        return total, y
+
+    def merge_partials(
+        self,
+        first: torch.Tensor,
+        second: torch.Tensor,
+        w_first: torch.Tensor,
+        w_second: torch.Tensor,
+    ) -> torch.Tensor:
+        """Cascade attention's merge of two partial results of the same N = B * Q query
+        rows: first [1, H, N, dv] (over the shared prefix), second [B, H, Q, dv] (over each
+        sequence's own positions), bf16 with unit element stride, weighted by w_first /
+        w_second float32 [N, H] -> [N, H, dv] bf16, (first * w_first + second * w_second) /
+        (w_first + w_second) with torch's float32 roundings (cpu_prefill_attention.c)."""
+        _, heads, n, dv = first.shape
+        b, _, q_len, _ = second.shape
+        if first.stride(-1) != 1:
+            first = first.contiguous()
+        if second.stride(-1) != 1:
+            second = second.contiguous()
+        w_first, w_second = w_first.contiguous(), w_second.contiguous()
+        out = torch.empty(n, heads, dv, dtype=torch.bfloat16)
+        self._merge(
+            first.data_ptr(), first.stride(1), first.stride(2),
+            second.data_ptr(), second.stride(0), second.stride(1), second.stride(2), q_len,
+            w_first.data_ptr(), w_second.data_ptr(), n, heads, dv, out.data_ptr(),
+        )  # fmt: skip
+        return out
 
     def rope_heads(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool

@@ -428,6 +428,29 @@ void mci_rms_norm_row(const void *x, int x_bf16, const uint16_t *w, void *y, int
     }
 }
 
+/* The residual sum and its RMSNorm in one pass over each row (mci/layers/norm.py's
+ * add_then_norm): sum = x + a (x float32 [rows, n], row stride ldx; a bf16 or float32 [rows,
+ * n] contiguous, widened exactly; one float32 rounding, as torch's x + a), then mci_rms_norm's
+ * row of sum into y. The same bits as the add and the norm called one after the other, the
+ * row read once from L1 instead of twice from memory. */
+void mci_add_rms_norm(const float *x, long ldx, const void *a, int a_bf16, float *sum,
+                      const uint16_t *w, void *y, int y_bf16, long rows, long n, float eps) {
+#pragma omp parallel for schedule(static) if (rows >= 32)
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        const char *ar = (const char *)a + r * n * (a_bf16 ? 2 : 4);
+        float *sr = sum + r * n;
+        for (long j = 0; j < n; j += 16) {
+            const __mmask16 m =
+                (n - j) >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+            const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, xr + j),
+                                           load16(ar + j * (a_bf16 ? 2 : 4), a_bf16, m));
+            _mm512_mask_storeu_ps(sr + j, m, v);
+        }
+        mci_rms_norm_row(sr, 0, w, (char *)y + r * n * (y_bf16 ? 2 : 4), y_bf16, n, eps);
+    }
+}
+
 void mci_rms_norm(const void *x, long ldx, int x_bf16, const uint16_t *w, void *y, int y_bf16,
                   long rows, long n, float eps) {
 #pragma omp parallel for schedule(static) if (rows >= 32)

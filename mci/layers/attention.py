@@ -506,12 +506,15 @@ class MultiHeadLatentAttention(nn.Module):
             causal=rest.shape[1] == q_len,  # the rest is the new tokens: plain causal
             mask=group.mask[:, None, :, prefix:],
         )  # [B, H, Q, v], [B, H, Q]
-        out_p = out_p[0].transpose(0, 1)  # [N, H, v]
-        out_r = out_r.transpose(1, 2).reshape(b * q_len, self.num_heads, -1)
         lse_p = lse_p[0].transpose(0, 1)  # [N, H]
         lse_r = lse_r.transpose(1, 2).reshape(b * q_len, self.num_heads)
         top = torch.maximum(lse_p, lse_r)
         w_p, w_r = (lse_p - top).exp(), (lse_r - top).exp()
+        kernels = self._prefill_kernels(q)
+        if kernels is not None:  # the lines below in one pass, bit for bit
+            return kernels.merge_partials(out_p, out_r, w_p, w_r)
+        out_p = out_p[0].transpose(0, 1)  # [N, H, v]
+        out_r = out_r.transpose(1, 2).reshape(b * q_len, self.num_heads, -1)
         out = out_p.float() * w_p[..., None] + out_r.float() * w_r[..., None]
         out = out / (w_p + w_r)[..., None]
         return out.to(q_nope.dtype)

@@ -43,3 +43,23 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight).to(out_dtype)
+
+    def add_then_norm(
+        self, x: torch.Tensor, addend: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + addend, this norm of it): the residual stream's sum after a sublayer and the
+        next sublayer's input. On the CPU kernels one pass over each row, the same bits as
+        the add and the norm called in turn (a [T, hidden] float32 temporary fewer)."""
+        out_dtype = out_dtype or self.weight.dtype
+        if (
+            self.kernels is not None
+            and x.dim() == 2
+            and x.dtype == torch.float32
+            and addend.dtype in (torch.float32, torch.bfloat16)
+            and addend.shape == x.shape
+            and out_dtype in (torch.float32, torch.bfloat16)
+            and not x.requires_grad
+        ):
+            return self.kernels.add_rms_norm(x, addend, self.weight, self.eps, out_dtype)
+        total = x + addend
+        return total, self(total, out_dtype)

@@ -53,9 +53,11 @@ class DecoderLayer(nn.Module):
         )
         if attn is not None:  # a decode step on the CPU kernels: the same sum in one call
             x = attn
+            normed = self.post_attention_layernorm(x, self.ffn_input_dtype)
         else:
-            x = x + self.self_attn(self.input_layernorm(x), meta, rope_cos_sin, kv_cache, absorbed)
-        ffn = self.mlp(self.post_attention_layernorm(x, self.ffn_input_dtype))
+            attn = self.self_attn(self.input_layernorm(x), meta, rope_cos_sin, kv_cache, absorbed)
+            x, normed = self.post_attention_layernorm.add_then_norm(x, attn, self.ffn_input_dtype)
+        ffn = self.mlp(normed)
         return x + (self.parallel.all_reduce(ffn) if self.dense_partial else ffn)
 
     def decode_on_kernels(self, rows: int) -> cpu_decoder.KernelLayer | None:
