@@ -246,16 +246,17 @@ def test_cascade_merge_on_the_kernels_is_the_torch_merge_bit_for_bit(b, q, heads
 
 @pytest.mark.parametrize("t", [5, 60])
 @pytest.mark.parametrize("interleave", [True, False])
-def test_rope_and_latent_rows_are_the_eager_values(interleave, t):
+@pytest.mark.parametrize("r", [32, 40])
+def test_rope_and_latent_rows_are_the_eager_values(interleave, t, r):
     """q's rotation and the rotated k_rope written to the cache equal mci/layers' eager
-    computations exactly; the normalised c_kv beside it is within one bf16 step (the sum of
-    squares is added in another order) and nearly always equal (60 rows: split over the
-    threads)."""
+    computations exactly (16 pairs at a time, then one at a time: r 40); the normalised c_kv
+    beside it is within one bf16 step (the sum of squares is added in another order) and
+    nearly always equal (60 rows: split over the threads)."""
     from mci.layers.norm import RMSNorm
     from mci.layers.rotary import apply_rope
 
     g = torch.Generator().manual_seed(6)
-    heads, nope, r, c = 8, 64, 32, 128
+    heads, nope, c = 8, 64, 128
     q = torch.randn(t, heads, nope + r, generator=g).to(torch.bfloat16)
     q_rope = q[..., nope:]  # strided, as the model's split leaves it
     angles = torch.rand(t, r // 2, generator=g) * 6

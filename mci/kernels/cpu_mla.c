@@ -596,7 +596,28 @@ int mci_bf16_latent_decode_attention(const uint16_t *q, const uint16_t *cache,
 static inline void rope_row(const uint16_t *v, const float *cos, const float *sin, long r,
                             int interleave, uint16_t *out) {
     const long h = r / 2;
-    for (long i = 0; i < h; i++) {
+    long i = 0;
+#ifdef __AVX512F__
+    /* 16 pairs at a time, the same roundings (each product, the difference or sum, then
+     * round_bf16's bits): a prefill's q rows were ~1.6 ns an element one at a time */
+    for (; i + 16 <= h; i += 16) {
+        __m512 a, b;
+        if (interleave) { /* pair i in one 32-bit lane: v[2i] its low half */
+            const __m512i lane = _mm512_loadu_si512(v + 2 * i);
+            a = _mm512_castsi512_ps(_mm512_slli_epi32(lane, 16));
+            b = _mm512_castsi512_ps(_mm512_and_si512(lane, _mm512_set1_epi32((int)0xffff0000u)));
+        } else {
+            a = widen16(_mm256_loadu_si256((const __m256i *)(v + i)));
+            b = widen16(_mm256_loadu_si256((const __m256i *)(v + h + i)));
+        }
+        const __m512 c = _mm512_loadu_ps(cos + i), s = _mm512_loadu_ps(sin + i);
+        const __m512 ac = _mm512_mul_ps(a, c), bs = _mm512_mul_ps(b, s);
+        const __m512 bc = _mm512_mul_ps(b, c), as = _mm512_mul_ps(a, s);
+        _mm256_storeu_si256((__m256i *)(out + i), rne16(_mm512_sub_ps(ac, bs)));
+        _mm256_storeu_si256((__m256i *)(out + h + i), rne16(_mm512_add_ps(bc, as)));
+    }
+#endif
+    for (; i < h; i++) {
         const float a = bf16_to_float(interleave ? v[2 * i] : v[i]);
         const float b = bf16_to_float(interleave ? v[2 * i + 1] : v[h + i]);
         const float ac = a * cos[i], bs = b * sin[i], bc = b * cos[i], as = a * sin[i];
