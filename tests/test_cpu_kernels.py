@@ -425,11 +425,13 @@ def test_pack_values_is_amx_pair_interleaved_layout(length):
 
 @pytest.mark.parametrize("length", [16, 37, 130])
 @pytest.mark.parametrize("expanded", [False, True])
-def test_pack_keys_is_the_pair_interleaved_block_layout(length, expanded):
+@pytest.mark.parametrize("d", [96, 100])
+def test_pack_keys_is_the_pair_interleaved_block_layout(length, expanded, d):
     """mci_pack_keys writes keys [B, H, L, d] (a transposed view read in place, or one head
     expanded over all: stride 0) as [B*H, ceil(L/16), d/2, 16, 2] with zero keys past L:
-    torch's permutation of the same tensor, bit for bit (130 keys: split over the threads)."""
-    b, h, d = 2, 8, 96
+    torch's permutation of the same tensor, bit for bit (130 keys: split over the threads;
+    d 100: 48 pairs transposed 16 at a time, then 2 one at a time)."""
+    b, h = 2, 8
     g = torch.Generator().manual_seed(length)
     keys = torch.randn(b, length, h, d, generator=g).to(torch.bfloat16).transpose(1, 2)
     if expanded:

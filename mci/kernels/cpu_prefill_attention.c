@@ -165,14 +165,27 @@ int mci_pack_keys(const uint16_t *k, long ld_b, long ld_h, long ld_l, long batch
         const long g = item / lb, blk = item % lb;
         const uint16_t *src = k + (g / heads) * ld_b + (g % heads) * ld_h;
         uint32_t *dst = (uint32_t *)(kp + item * pairs * 32);
+        long done = 0; /* pairs packed 16 at a time: a 16 x 16 dword transpose */
+#ifdef __AVX512F__
+        for (; done + 16 <= pairs; done += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                const long l = blk * 16 + j;
+                r[j] = l < length ? _mm512_loadu_si512(src + l * ld_l + 2 * done)
+                                  : _mm512_setzero_si512();
+            }
+            transpose16(r); /* r[p] lane j: key j's pair done + p */
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(dst + (done + p) * 16, r[p]);
+        }
+#endif
         for (int j = 0; j < 16; j++) {
             const long l = blk * 16 + j;
             if (l >= length) {
-                for (long t = 0; t < pairs; t++) dst[t * 16 + j] = 0;
+                for (long t = done; t < pairs; t++) dst[t * 16 + j] = 0;
                 continue;
             }
             const uint16_t *row = src + l * ld_l;
-            for (long t = 0; t < pairs; t++) {
+            for (long t = done; t < pairs; t++) {
                 uint32_t pair;
                 __builtin_memcpy(&pair, row + 2 * t, 4);
                 dst[t * 16 + j] = pair;
@@ -277,6 +290,24 @@ int mci_pack_values(const uint16_t *v, long ld_b, long ld_h, long ld_l, long bat
         const long g = item / lc, kc = item % lc;
         const uint16_t *src = v + (g / heads) * ld_b + (g % heads) * ld_h;
         uint16_t *dst = vp + (g * cols * lc + kc) * 512; /* column tile 0's chunk kc */
+#ifdef __AVX512F__
+        /* a pair of keys' 16 columns at a time: key 2p's in each dword's low half */
+        for (int p = 0; p < 16; p++) {
+            const long l0 = kc * 32 + 2 * p;
+            for (long ct = 0; ct < cols; ct++) {
+                const __m512i a = l0 < length ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                    (const __m256i *)(src + l0 * ld_l + ct * 16)))
+                                              : _mm512_setzero_si512();
+                const __m512i b = l0 + 1 < length
+                                      ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                            (const __m256i *)(src + (l0 + 1) * ld_l + ct * 16)))
+                                      : _mm512_setzero_si512();
+                _mm512_storeu_si512(dst + ct * lc * 512 + p * 32,
+                                    _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+            }
+        }
+        continue;
+#endif
         for (int j = 0; j < 32; j++) { /* key 32 kc + j: pair row j / 2, slot j % 2 */
             const long l = kc * 32 + j;
             for (long ct = 0; ct < cols; ct++)
