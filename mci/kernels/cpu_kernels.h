@@ -292,12 +292,15 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
 void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
                         long n0, long n1);
 
-/* A row's softmax (cpu_prefill_attention.c): s, its scaled float32 scores (overwritten with
- * their exps), over its first `limit`, mx their maximum -> p [lp] (lp a multiple of 16, >=
- * limit) rounded once to bf16, zero past the limit, and lse (-inf for an empty row). */
+/* Cascade attention's merge of two partial results by their softmax masses
+ * (cpu_prefill_attention.c): out [n, heads, dv] bf16, torch's roundings. */
 void mci_merge_partials(const uint16_t *first, long f_ldh, long f_ldn, const uint16_t *second,
                         long s_ldb, long s_ldh, long s_ldq, long q_len, const float *wf,
                         const float *ws, long n, long heads, long dv, uint16_t *out);
+
+/* A row's softmax (cpu_prefill_attention.c): s, its scaled float32 scores (overwritten with
+ * their exps), over its first `limit`, mx their maximum -> p [lp] (lp a multiple of 16, >=
+ * limit) rounded once to bf16, zero past the limit, and lse (-inf for an empty row). */
 void mci_softmax_probs(float *s, long limit, float mx, long lp, uint16_t *p, float *lse);
 
 /* Prefill attention's scores on AMX tiles (cpu_amx.c): 32 query rows q [32, d] (row stride

@@ -609,6 +609,23 @@ class CpuKernels:
         (w_first + w_second) with torch's float32 roundings (cpu_prefill_attention.c)."""
         _, heads, n, dv = first.shape
         b, _, q_len, _ = second.shape
+        if (
+            first.shape[0] != 1
+            or second.shape[1] != heads
+            or second.shape[3] != dv
+            or b * q_len != n
+            or first.dtype != torch.bfloat16
+            or second.dtype != torch.bfloat16
+            or w_first.shape != (n, heads)
+            or w_second.shape != (n, heads)
+            or w_first.dtype != torch.float32
+            or w_second.dtype != torch.float32
+        ):
+            raise ValueError(
+                f"merge_partials: first {tuple(first.shape)} {first.dtype}, second "
+                f"{tuple(second.shape)} {second.dtype}, weights {tuple(w_first.shape)} "
+                f"{tuple(w_second.shape)} do not fit [1, H, N, dv], [B, H, Q, dv], [N, H]"
+            )
         if first.stride(-1) != 1:
             first = first.contiguous()
         if second.stride(-1) != 1:

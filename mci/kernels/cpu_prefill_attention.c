@@ -306,8 +306,7 @@ int mci_pack_values(const uint16_t *v, long ld_b, long ld_h, long ld_l, long bat
                                     _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
             }
         }
-        continue;
-#endif
+#else
         for (int j = 0; j < 32; j++) { /* key 32 kc + j: pair row j / 2, slot j % 2 */
             const long l = kc * 32 + j;
             for (long ct = 0; ct < cols; ct++)
@@ -315,6 +314,7 @@ int mci_pack_values(const uint16_t *v, long ld_b, long ld_h, long ld_l, long bat
                     dst[ct * lc * 512 + (j / 2) * 32 + c * 2 + j % 2] =
                         l < length ? src[l * ld_l + ct * 16 + c] : 0;
         }
+#endif
     }
     return 0;
 }
@@ -325,9 +325,10 @@ int mci_pack_values(const uint16_t *v, long ld_b, long ld_h, long ld_l, long bat
  * softmax masses wf, ws (float32 [N, H]):
  *     out[i][h] = (first * wf + second * ws) / (wf + ws)   -> bf16 [N, H, dv]
  * with torch's roundings (each product, the sum, the divisor and the quotient rounded once
- * to float32, then to bf16 by round_bf16): the same bits as the torch ops it replaces, in one
- * pass instead of ~8 over [N, H, dv] float32 temporaries. Unit element stride; strides in
- * elements. */
+ * to float32, then to bf16 by round_bf16): the same bits as the torch ops it replaces for
+ * every number (a NaN keeps its sign and payload here; the weights are never NaN: one of
+ * each pair is exactly 1), in one pass instead of ~8 over [N, H, dv] float32 temporaries.
+ * Unit element stride; strides in elements. */
 void mci_merge_partials(const uint16_t *first, long f_ldh, long f_ldn, const uint16_t *second,
                         long s_ldb, long s_ldh, long s_ldq, long q_len, const float *wf,
                         const float *ws, long n, long heads, long dv, uint16_t *out) {

@@ -505,7 +505,7 @@ class _PrefillsInFlight:
     tokens after its cached prefix), per cached length: a burst on one system prompt differs
     only there, and comparing whole prompts against every request admitted before made a
     step's scheduling quadratic (256 prompts of 1,024 shared + 32 own tokens: 226 ms in one
-    step, 5 ms indexed)."""
+    step, 11 ms indexed)."""
 
     def __init__(self, requests):
         self._requests = list(requests)
