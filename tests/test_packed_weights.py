@@ -119,3 +119,31 @@ def test_widened_bf16_matmuls_round_once_from_the_exact_products(monkeypatch):
     assert torch.equal(layer(x[:10].view(2, 5, 512)), got[:10].view(2, 5, -1))
     few = x[: linear.WIDENED_MIN_ROWS - 1]
     assert torch.equal(layer(few), F.linear(few, weight))
+
+
+@needs_bf16_matmuls
+def test_rows_a_producer_left_room_for_are_read_in_place_whatever_they_hold():
+    """An activation made by `empty_rows` (a norm's output, silu * up, a cast) reaches the
+    packed matmul at its bucketed row count without a copy: `pad_rows` views the rows after
+    it in its own storage. Whatever those rows hold (here NaN and infinity) reaches only
+    their own results, which are dropped: the rows kept are the zero-padded call's bits."""
+    from mci.layers.linear import Linear, empty_rows, pad_rows
+
+    torch.manual_seed(1)
+    layer = Linear(512, (384,), torch.bfloat16)
+    layer.weight.data.normal_()
+    assert layer.pack_for_cpu(skinny_kernels=False)
+    for rows in (17, 300, 1056):
+        x = empty_rows(rows, 512, dtype=torch.bfloat16)
+        x.copy_(torch.randn(rows, 512))
+        room = x.untyped_storage().nbytes() // 1024 - rows  # rows of 512 bf16 after x
+        tail = x.as_strided((room, 512), (512, 1), rows * 512)
+        tail[::2] = float("nan")
+        tail[1::2] = float("inf")
+        padded = pad_rows(x)
+        assert padded.data_ptr() == x.data_ptr() and padded.shape[0] > rows  # a view, no copy
+        zero_padded = torch.cat((x, x.new_zeros((padded.shape[0] - rows, 512))))
+        assert torch.equal(layer(x), layer(zero_padded)[:rows])
+    plain = torch.randn(300, 512, dtype=torch.bfloat16)  # no room: zero rows appended, a copy
+    assert pad_rows(plain).data_ptr() != plain.data_ptr()
+    assert not pad_rows(plain)[300:].any()

@@ -109,6 +109,16 @@ def load() -> CpuKernels | None:
         return None
 
 
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A kernel's output tensor: `out` when the caller gives one (checked: the kernels write
+    it through its data pointer as a contiguous block), else a new one."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype)
+    if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}: want {shape} {dtype}, contiguous")
+    return out
+
+
 def _pairs_aligned(x: torch.Tensor) -> torch.Tensor:
     """x [..., d] bf16 as the prefill attention kernels read it in place: each row's element
     pairs 4-byte aligned (unit element stride, even strides and offset); else a contiguous
@@ -542,14 +552,20 @@ class CpuKernels:
         return out
 
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out_dtype: torch.dtype,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """mci/layers/norm.py's RMSNorm in one pass: x [rows, n] float32 or bf16 (any row
-        stride), weight bf16 [n] -> [rows, n] in out_dtype (float32 or bf16)."""
+        stride), weight bf16 [n] -> [rows, n] in out_dtype (float32 or bf16), written into
+        `out` when given (contiguous, that shape and dtype)."""
         rows, n = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
-        y = torch.empty(rows, n, dtype=out_dtype)
+        y = _output(out, (rows, n), out_dtype)
         self._rms_norm(
             x.data_ptr(),
             x.stride(0),
@@ -570,16 +586,18 @@ class CpuKernels:
         weight: torch.Tensor,
         eps: float,
         out_dtype: torch.dtype,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + addend, rms_norm(x + addend)) in one pass: x float32 [rows, n] (any row
         stride), addend bf16 or float32 [rows, n] -> (the sum float32 [rows, n], a new tensor;
-        its norm in out_dtype), the same bits as `x + addend` and then `rms_norm`."""
+        its norm in out_dtype, written into `out` when given), the same bits as `x + addend`
+        and then `rms_norm`."""
         rows, n = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
         addend = addend.contiguous()
         total = torch.empty(rows, n, dtype=torch.float32)
-        y = torch.empty(rows, n, dtype=out_dtype)
+        y = _output(out, (rows, n), out_dtype)
         self._add_rms_norm(
             x.data_ptr(),
             x.stride(0),

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mci.layers.linear import Linear
+from mci.layers.linear import Linear, empty_rows
 
 
 class GatedMLP(nn.Module):
@@ -35,4 +35,8 @@ class GatedMLP(nn.Module):
             # the same steps in one call of the CPU kernels (mci/kernels/cpu_moe.c)
             return matvec.gated_mlp(x, self.gate_up_proj.kernel, self.down_proj.kernel)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if gate.dim() != 2 or gate.requires_grad:
+            return self.down_proj(F.silu(gate) * up)
+        # the same product, with room for down_proj's bucketed rows (linear.empty_rows)
+        act = empty_rows(gate.shape[0], gate.shape[1], dtype=gate.dtype)
+        return self.down_proj(torch.mul(F.silu(gate), up, out=act))

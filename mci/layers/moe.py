@@ -22,6 +22,7 @@ from mci.layers.linear import (
     bucket_rows,
     bucket_sizes,
     can_pack,
+    empty_rows,
     pack_weight,
     packed_linear,
 )
@@ -341,7 +342,11 @@ class MoE(nn.Module):
             bound, whole = one_call
             out, weights, ids = bound(x, self.gate.logits(x))
             if out is not None:
-                return out if whole else out + self.shared_experts(x.to(self.dtype))
+                if whole:
+                    return out
+                # x rounded to the model dtype, with room for the shared experts' bucketed rows
+                xb = empty_rows(x.shape[0], x.shape[1], dtype=self.dtype).copy_(x)
+                return out + self.shared_experts(xb)
         else:
             weights, ids = self.gate(x)
         x = x.to(self.dtype)

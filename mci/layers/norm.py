@@ -11,6 +11,8 @@ adds to bf16 drift.
 import torch
 from torch import nn
 
+from mci.layers.linear import empty_rows
+
 
 class RMSNorm(nn.Module):
     """y = weight * x / sqrt(mean(x^2) + eps), returned in `out_dtype` (default: the weight's)."""
@@ -39,7 +41,8 @@ class RMSNorm(nn.Module):
             and out_dtype in (torch.float32, torch.bfloat16)
             and not x.requires_grad
         ):
-            return self.kernels.rms_norm(x, self.weight, self.eps, out_dtype)
+            out = _matmul_input(x.shape[0], x.shape[1], out_dtype)
+            return self.kernels.rms_norm(x, self.weight, self.eps, out_dtype, out)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight).to(out_dtype)
@@ -60,6 +63,13 @@ class RMSNorm(nn.Module):
             and out_dtype in (torch.float32, torch.bfloat16)
             and not x.requires_grad
         ):
-            return self.kernels.add_rms_norm(x, addend, self.weight, self.eps, out_dtype)
+            out = _matmul_input(x.shape[0], x.shape[1], out_dtype)
+            return self.kernels.add_rms_norm(x, addend, self.weight, self.eps, out_dtype, out)
         total = x + addend
         return total, self(total, out_dtype)
+
+
+def _matmul_input(rows: int, n: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Where a norm's output in the model dtype goes: it feeds a matmul, so with room for the
+    matmul's bucketed rows (`empty_rows`); None (a plain new tensor) for float32 output."""
+    return empty_rows(rows, n, dtype=dtype) if dtype == torch.bfloat16 else None
