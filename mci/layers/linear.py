@@ -109,11 +109,13 @@ def bucket_sizes(max_rows: int) -> list[int]:
     return sizes
 
 
-def empty_rows(rows: int, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+def empty_rows(
+    rows: int, *shape: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """An uninitialised [rows, *shape] tensor whose storage holds `bucket_rows(rows)` rows:
-    `pad_rows` hands a matmul the extra rows in place instead of copying x (for a layer's
-    activations that feed a packed matmul: a norm's output, a cast, silu * up)."""
-    return torch.empty((bucket_rows(rows), *shape), dtype=dtype)[:rows]
+    `pad_rows` hands a CPU matmul the extra rows in place instead of copying x (for a
+    layer's activations that feed a packed matmul: a norm's output, a cast, silu * up)."""
+    return torch.empty((bucket_rows(rows), *shape), dtype=dtype, device=device)[:rows]
 
 
 def pad_rows(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:

@@ -35,7 +35,7 @@ class GatedMLP(nn.Module):
             # the same steps in one call of the CPU kernels (mci/kernels/cpu_moe.c)
             return matvec.gated_mlp(x, self.gate_up_proj.kernel, self.down_proj.kernel)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        if gate.dim() != 2 or gate.requires_grad:
+        if gate.dim() != 2 or gate.requires_grad or gate.device.type != "cpu":
             return self.down_proj(F.silu(gate) * up)
         # the same product, with room for down_proj's bucketed rows (linear.empty_rows)
         act = empty_rows(gate.shape[0], gate.shape[1], dtype=gate.dtype)

@@ -345,7 +345,7 @@ class MoE(nn.Module):
                 if whole:
                     return out
                 # x rounded to the model dtype, with room for the shared experts' bucketed rows
-                xb = empty_rows(x.shape[0], x.shape[1], dtype=self.dtype).copy_(x)
+                xb = empty_rows(*x.shape, dtype=self.dtype, device=x.device).copy_(x)
                 return out + self.shared_experts(xb)
         else:
             weights, ids = self.gate(x)
