@@ -131,8 +131,7 @@ def pad_rows(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     if not extra:
         return x
     if x.is_contiguous():
-        row = x[0].numel()
-        end = (x.storage_offset() + target * row) * x.element_size()
+        end = (x.storage_offset() + target * math.prod(x.shape[1:])) * x.element_size()
         if x.untyped_storage().nbytes() >= end:
             return x.as_strided((target,) + x.shape[1:], x.stride())
     return torch.cat((x, x.new_zeros((extra,) + x.shape[1:])))

@@ -528,8 +528,11 @@ class _PrefillsInFlight:
             for other in self._requests:
                 _index_stretch(index, start, other)
         stretch = tuple(req.prompt_ids[start : start + SHARED_PREFIX_DEFER_TOKENS])
+        candidates = index.get(stretch)
+        if not candidates:  # the common case in a burst: no whole-prefix slice at all
+            return False
         head = req.prompt_ids[:start]
-        return any(other.prompt_ids[:start] == head for other in index.get(stretch, ()))
+        return any(other.prompt_ids[:start] == head for other in candidates)
 
 
 def _index_stretch(index: dict, start: int, req: Request) -> None:
