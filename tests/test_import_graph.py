@@ -44,6 +44,7 @@ FLOORS = (
         "mci.process_memory",
         "mci.loopback",
         "mci.tracing",
+        "mci.http_stream",
     ),
     ("mci.errors",),
 )

@@ -36,9 +36,10 @@ import httpx
 from ray import serve
 from ray.exceptions import RayError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from mci.engine.config import EngineConfig
+from mci.http_stream import ClosingStreamingResponse
 from mci.loopback import free_loopback_port
 from mci.ray_serve.residency import refusal
 from mci.replicas.replica_process import ReplicaProcess
@@ -228,7 +229,7 @@ class MciIngress:
         return f"prefill replica {head['replica']} answered {head['status']}"
 
 
-def _relay(stream, head: dict) -> StreamingResponse:
+def _relay(stream, head: dict) -> ClosingStreamingResponse:
     async def body():
         try:
             async for chunk in stream:
@@ -243,7 +244,7 @@ def _relay(stream, head: dict) -> StreamingResponse:
     headers = {"x-mci-replica": head["replica"]}
     if head["retry_after"]:
         headers["retry-after"] = head["retry_after"]
-    return StreamingResponse(
+    return ClosingStreamingResponse(
         body(), status_code=head["status"], media_type=head["content_type"], headers=headers
     )
 

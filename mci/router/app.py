@@ -33,10 +33,11 @@ from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from mci.errors import UserError, error_body
+from mci.http_stream import ClosingStreamingResponse
 from mci.router.config import RouterConfig
 from mci.router.metrics import RouterMetrics
 from mci.router.pd import PDPairing, PrefillFailed
@@ -340,7 +341,7 @@ class Router:
         except BaseException:  # cancelled (the client left): the span ends all the same
             span.end()
             raise
-        if not isinstance(response, StreamingResponse):  # a stream ends the span at its end
+        if not isinstance(response, ClosingStreamingResponse):  # a stream ends the span at its end
             span.end(response.status_code)
         return response
 
@@ -380,7 +381,7 @@ class Router:
             stream = relay.run(
                 self, path, key, headers, worker, upstream, span, residency=residency
             )
-        return StreamingResponse(span.until_done(stream), media_type="text/event-stream")
+        return ClosingStreamingResponse(span.until_done(stream), media_type="text/event-stream")
 
     async def _plain_stream(
         self, worker: Worker, upstream: httpx.Response, span: ProxySpan

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from mci.core.outputs import RequestOutput
 from mci.core.sampling_params import SamplingParams
 from mci.errors import error_body
+from mci.http_stream import ClosingStreamingResponse
 from mci.server import responses
 from mci.server.engine_supervisor import ENGINE_DEATH_ERRORS
 from mci.server.reasoning import ReasoningStream
@@ -57,7 +57,7 @@ def sse(payload: dict | str) -> str:
 
 async def streaming_response(
     gen: AsyncIterator[str], ctx: StreamContext, request: Request
-) -> StreamingResponse:
+) -> ClosingStreamingResponse:
     """The SSE response, sent once the request has started: a request refused before its
     first output (e.g. it waited past --max-queue-time) still gets its HTTP status."""
     await ctx.submission.wait_started(request)
@@ -69,7 +69,7 @@ async def streaming_response(
         finally:  # client gone or stream done: nothing may keep running in the engine
             ctx.submission.abort()
 
-    return StreamingResponse(
+    return ClosingStreamingResponse(
         guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
 

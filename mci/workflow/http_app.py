@@ -22,9 +22,10 @@ from contextlib import aclosing
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from mci.errors import error_body
+from mci.http_stream import ClosingStreamingResponse
 from mci.tracing import Tracing
 from mci.workflow.calls import EntryPoint
 from mci.workflow.errors import WorkflowError
@@ -165,7 +166,7 @@ async def _stream(entry: EntryPoint, body, timeout_s, parent, request: Request):
                 await asyncio.wait({pulled})
             await feed.aclose()
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return ClosingStreamingResponse(events(), media_type="text/event-stream")
 
 
 async def _disconnected(request: Request) -> None:
