@@ -3,29 +3,77 @@
 Every streamed body in mci is an async generator whose `finally` does work that must not wait:
 the server aborts the request's samples (their KV slots are freed in the engine's next step),
 a workflow cancels its tree of calls, the router and the Ray ingress close their upstream
-streams. Starlette runs a StreamingResponse's sending loop in a task that it cancels when the
-client disconnects. If the cancellation lands while a chunk is being sent (rather than while
-the body is being pulled), the generator is left suspended at its `yield`, and its `finally`
-runs only when the generator is garbage-collected: at once if nothing else holds it, but
-whenever the cyclic collector next reaches it if the cancellation's traceback holds it in a
-cycle. Meanwhile the request runs on to its end in the engine, with nobody reading it. (Seen in
-CI: a workflow whose client had left ran its 2,000-token model call to the end.)
+streams (the router's count of a replica's requests in flight with them). Starlette runs a
+StreamingResponse's sending loop in a task that it cancels when the client disconnects, and
+two timings of that cancellation leave the `finally` unrun:
+
+* it lands while a chunk is being sent (rather than while the body is being pulled): the
+  generator stays suspended at its `yield`, and its `finally` runs only when the generator is
+  garbage-collected, at once if nothing else holds it, else whenever the cyclic collector
+  reaches it. (Seen in CI: a workflow whose client had left ran its 2,000-token model call to
+  the end.)
+* the client had left before the response began (say while the request was queued): the
+  sending task is cancelled before it first runs, so the body never starts, and a generator
+  that never started never runs its `finally` at all.
+
+Meanwhile the request runs on in the engine with nobody reading it. ClosingStreamingResponse
+closes a started body when the response ends, starts a body that never started just far
+enough to cancel it (its `finally` then runs as it would for a client that left mid-stream),
+and then runs `on_close`, for cleanup that lives outside the body.
 """
 
 from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """StreamingResponse, then `aclose()` of its body (a no-op for one already finished):
-    the body's `finally` has run when the response returns."""
+    """StreamingResponse over an async generator `content`; when the response ends, the
+    body's `finally` has run (started or not) and then `on_close` (sync or async) has."""
+
+    def __init__(
+        self,
+        content: AsyncIterator,
+        *args,
+        on_close: Callable[[], Awaitable[None] | None] | None = None,
+        **kwargs,
+    ) -> None:
+        self.content, self.on_close, self.started = content, on_close, False
+        super().__init__(self._tracked(), *args, **kwargs)
+
+    async def _tracked(self) -> AsyncIterator:
+        self.started = True  # from here on, `content` has been asked for its first item
+        async for chunk in self.content:
+            yield chunk
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            close = getattr(self.body_iterator, "aclose", None)
-            if close is not None:
-                await close()
+            try:
+                await self.body_iterator.aclose()
+                if not self.started and inspect.isasyncgen(self.content):
+                    await _start_and_cancel(self.content)
+                elif hasattr(self.content, "aclose"):
+                    await self.content.aclose()  # a no-op where it finished
+            finally:
+                if self.on_close is not None:
+                    done = self.on_close()
+                    if inspect.isawaitable(done):
+                        await done
+
+
+async def _start_and_cancel(body: AsyncIterator) -> None:
+    """Run a generator that never started up to its first suspension, then end it there: a
+    cancelled await, or a close at its first `yield`. Either way its `finally` runs."""
+    first = asyncio.ensure_future(body.__anext__())
+    await asyncio.sleep(0)  # one step of the task: the body runs to its first suspension
+    first.cancel()
+    await asyncio.wait({first})
+    if not first.cancelled() and first.exception() is None:
+        await body.aclose()  # it yielded: it waits at that yield

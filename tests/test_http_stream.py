@@ -1,8 +1,10 @@
-"""ClosingStreamingResponse: a streamed body's `finally` has run by the time the response
-returns, when the client leaves while a chunk is being sent (Starlette's own StreamingResponse
-leaves the body suspended at its `yield` until it is garbage-collected). Driven through
-Starlette's real response over a scripted ASGI connection, both ways Starlette learns of the
-disconnect: a cancelled send (ASGI spec 2.3, uvicorn's) and a send that raises (2.4)."""
+"""ClosingStreamingResponse: a streamed body's `finally`, then `on_close`, have run by the time
+the response returns, however the client left. Starlette's own StreamingResponse leaves a body
+suspended at its `yield` until it is garbage-collected when the client leaves mid-send, and
+never runs the `finally` of a body it never started (the client gone before the response
+began). Driven through Starlette's real response over a scripted ASGI connection, both ways
+Starlette learns of a disconnect: a cancelled send (ASGI spec 2.3, uvicorn's) and a send that
+raises (2.4)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ async def _respond(spec_version: str) -> tuple[list[str], list[str]]:
         await leaving.wait()
         return {"type": "http.disconnect"}
 
-    response = ClosingStreamingResponse(body())
+    response = ClosingStreamingResponse(body(), on_close=lambda: events.append("on_close"))
     scope = {"type": "http", "asgi": {"spec_version": spec_version}}
     try:
         await response(scope, receive, send)
@@ -58,7 +60,7 @@ async def _respond(spec_version: str) -> tuple[list[str], list[str]]:
 def test_the_body_is_closed_when_the_client_leaves_mid_send(spec_version):
     events, sent = asyncio.run(_respond(spec_version))
     assert sent == ["x"]
-    assert events == ["pulled", "closed"]
+    assert events == ["pulled", "closed", "on_close"]
 
 
 def test_a_finished_body_is_left_as_it_ended():
@@ -78,6 +80,47 @@ def test_a_finished_body_is_left_as_it_ended():
     async def receive():
         await asyncio.Event().wait()
 
+    async def on_close():
+        events.append("on_close")
+
     scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
-    asyncio.run(ClosingStreamingResponse(body())(scope, receive, send))
-    assert events == ["a", "b", "closed"]
+    asyncio.run(ClosingStreamingResponse(body(), on_close=on_close)(scope, receive, send))
+    assert events == ["a", "b", "closed", "on_close"]
+
+
+async def _gone_before_the_start(spec_version: str, waits_first: bool) -> list[str]:
+    """A client that left before the response began; the events the body saw by the time
+    the response returned (a copy, taken while the response still holds the body)."""
+    events: list[str] = []
+    pending = asyncio.Event()
+
+    async def body():
+        try:
+            events.append("started")
+            if waits_first:  # as the server's stream waits for the engine's next output
+                await pending.wait()
+            yield "x"
+        finally:
+            events.append("closed")
+
+    async def send(message):
+        if spec_version == "2.4":
+            raise OSError("client gone")
+        await asyncio.sleep(0)
+
+    async def receive():
+        return {"type": "http.disconnect"}  # at once: the client is gone already
+
+    response = ClosingStreamingResponse(body(), on_close=lambda: events.append("on_close"))
+    try:
+        await response({"type": "http", "asgi": {"spec_version": spec_version}}, receive, send)
+    except ClientDisconnect:
+        assert spec_version == "2.4"
+    return list(events)
+
+
+@pytest.mark.parametrize("waits_first", [True, False], ids=["awaits-first", "yields-first"])
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_a_body_never_started_still_runs_its_finally(spec_version, waits_first):
+    events = asyncio.run(_gone_before_the_start(spec_version, waits_first))
+    assert events == ["started", "closed", "on_close"]

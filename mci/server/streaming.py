@@ -61,16 +61,12 @@ async def streaming_response(
     """The SSE response, sent once the request has started: a request refused before its
     first output (e.g. it waited past --max-queue-time) still gets its HTTP status."""
     await ctx.submission.wait_started(request)
-
-    async def guarded():
-        try:
-            async for chunk in gen:
-                yield chunk
-        finally:  # client gone or stream done: nothing may keep running in the engine
-            ctx.submission.abort()
-
+    # client gone or stream done: nothing may keep running in the engine
     return ClosingStreamingResponse(
-        guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        gen,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+        on_close=ctx.submission.abort,
     )
 
 

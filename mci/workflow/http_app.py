@@ -166,7 +166,8 @@ async def _stream(entry: EntryPoint, body, timeout_s, parent, request: Request):
                 await asyncio.wait({pulled})
             await feed.aclose()
 
-    return ClosingStreamingResponse(events(), media_type="text/event-stream")
+    # `items` is closed here too: `source` may never have started (the client gone first)
+    return ClosingStreamingResponse(events(), media_type="text/event-stream", on_close=items.aclose)
 
 
 async def _disconnected(request: Request) -> None:
