@@ -12,9 +12,10 @@ two timings of that cancellation leave the `finally` unrun:
   garbage-collected, at once if nothing else holds it, else whenever the cyclic collector
   reaches it. (Seen in CI: a workflow whose client had left ran its 2,000-token model call to
   the end.)
-* the client had left before the response began (say while the request was queued): the
-  sending task is cancelled before it first runs, so the body never starts, and a generator
-  that never started never runs its `finally` at all.
+* the client had left before the response began, and uvicorn knew it already (say after the
+  server's last check of a queued request and before its first output): the sending task is
+  cancelled before it first runs, so the body never starts, and a generator that never
+  started never runs its `finally` at all.
 
 Meanwhile the request runs on in the engine with nobody reading it. ClosingStreamingResponse
 closes a started body when the response ends, starts a body that never started just far

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -259,3 +260,37 @@ def test_serve_dp_size_starts_replicas_behind_the_router(checkpoint):
     for port in (server.port + 1, server.port + 2):
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_clients_gone_before_their_streams_began_free_the_replicas(replicas):
+    """Clients that send a streamed request and leave at once: by the time the replica's
+    first output reaches the router, its client is gone. The router's release (the upstream
+    closed, the replica's in-flight count back down) must run at once, and the replicas must
+    abort the requests (500 tokens each otherwise; with Starlette's own StreamingResponse they
+    ran to their end: 0 aborts of 4)."""
+    _, a, b = replicas
+    body = json.dumps(
+        {"prompt": list(range(10, 1510)), "max_tokens": 500, "ignore_eos": True, "stream": True}
+    ).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with _router(a.url, b.url) as router:
+        host, port = router.url.removeprefix("http://").split(":")
+        for _ in range(4):
+            with socket.create_connection((host, int(port))) as conn:
+                conn.sendall(head + body)  # and gone: closed before any answer
+        deadline = time.monotonic() + 20
+        while True:
+            workers = httpx.get(router.url + "/workers").json()["workers"]
+            busy = [w for w in workers if w["in_flight"]]
+            if not busy or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert not busy, busy
+        for replica in (a, b):
+            state = replica.wait_idle(timeout_s=20)
+            assert state["num_running"] == 0 and state["in_flight"] == 0
+        aborted = sum(replica.metric("mci:requests_aborted_total ") for replica in (a, b))
+        assert aborted == 4
