@@ -17,10 +17,20 @@ two timings of that cancellation leave the `finally` unrun:
   cancelled before it first runs, so the body never starts, and a generator that never
   started never runs its `finally` at all.
 
+A third timing cut a `finally` short instead of leaving it unrun: under ASGI 2.3 Starlette
+cancels the sending task through an anyio cancel scope, and such a scope cancels every await
+made inside it, again and again, until the scope exits. A body whose `finally` awaited
+(a workflow waiting for its tree of calls to unwind, the router closing its upstream stream
+before it releases the replica's in-flight count) lost the rest of that `finally` at its first
+await. (Seen in CI and caused on a loaded machine: the workflow's tree ran on, and its
+`on_close` then found the stream still running and failed.)
+
 Meanwhile the request runs on in the engine with nobody reading it. ClosingStreamingResponse
-closes a started body when the response ends, starts a body that never started just far
-enough to cancel it (its `finally` then runs as it would for a client that left mid-stream),
-and then runs `on_close`, for cleanup that lives outside the body.
+sends the body in a plain asyncio task and, when the client leaves, cancels that task once:
+the body's `finally` can await what it must. It closes a started body when the response ends,
+starts a body that never started just far enough to cancel it (its `finally` then runs as it
+would for a client that left mid-stream), and then runs `on_close`, for cleanup that lives
+outside the body.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -53,8 +64,20 @@ class ClosingStreamingResponse(StreamingResponse):
             yield chunk
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
+        if scope["type"] != "http":  # a websocket's denial response: Starlette's own
             await super().__call__(scope, receive, send)
+            return
+        spec = tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
+        try:
+            if spec >= (2, 4):  # a send to a gone client raises: nothing to listen for
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    raise ClientDisconnect() from None
+            else:
+                await _until_disconnect(self.stream_response(send), receive)
+            if self.background is not None:
+                await self.background()
         finally:
             try:
                 await self.body_iterator.aclose()
@@ -67,6 +90,30 @@ class ClosingStreamingResponse(StreamingResponse):
                     done = self.on_close()
                     if inspect.isawaitable(done):
                         await done
+
+
+async def _until_disconnect(sending: Awaitable[None], receive: Receive) -> None:
+    """Run `sending` until it ends or the client disconnects, whichever is first; on a
+    disconnect, cancel it once (a plain asyncio cancellation: the body's `finally` may await)
+    and wait until it has ended."""
+    sender = asyncio.ensure_future(sending)
+    listener = asyncio.ensure_future(disconnected(receive))
+    try:
+        await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sender.cancel()  # a no-op where it ended
+        listener.cancel()
+        await asyncio.wait({sender, listener})
+    for task in (sender, listener):
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+
+
+async def disconnected(receive: Receive) -> None:
+    """Return when the client has gone (once the request's body was read, the next message
+    is the end)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _start_and_cancel(body: AsyncIterator) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
@@ -39,6 +40,31 @@ def _bindable(port: int) -> bool:
     return True
 
 
+class DrainedOutput:
+    """A child's stdout (and stderr, merged into it), read in a thread as it comes: a server
+    that logs must never block on its pipe, which the test reads only at the end, if at all
+    (a 64 KB pipe fills after a few tracebacks, and a server blocked writing one answers
+    nothing). Keeps the last MAX_LINES lines."""
+
+    MAX_LINES = 20_000
+
+    def __init__(self, stream):
+        self._lines: collections.deque[str] = collections.deque(maxlen=self.MAX_LINES)
+        self._reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self._lines.append(line)
+
+    def text(self, ended: bool = False) -> str:
+        """What was printed so far; `ended`: the process has exited, so wait (5 s at most)
+        until all of it was read."""
+        if ended:
+            self._reader.join(5)
+        return "".join(self._lines)
+
+
 class LiveServer:
     """`mci serve` (or another serving command: `mci router`, or words of one such as
     ("workflow", "serve", "FILE:ENTRY")) in a subprocess, with `env` added to its
@@ -69,10 +95,11 @@ class LiveServer:
             text=True,
             env={**os.environ, **(env or {})},
         )
+        self.log = DrainedOutput(self.proc.stdout)
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited: {self.log.text(ended=True)}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return

@@ -4,7 +4,8 @@ suspended at its `yield` until it is garbage-collected when the client leaves mi
 never runs the `finally` of a body it never started (the client gone before the response
 began). Driven through Starlette's real response over a scripted ASGI connection, both ways
 Starlette learns of a disconnect: a cancelled send (ASGI spec 2.3, uvicorn's) and a send that
-raises (2.4)."""
+raises (2.4). Under 2.3 Starlette also cuts short a `finally` that awaits: its anyio cancel
+scope cancels each of those awaits in turn."""
 
 from __future__ import annotations
 
@@ -124,3 +125,38 @@ async def _gone_before_the_start(spec_version: str, waits_first: bool) -> list[s
 def test_a_body_never_started_still_runs_its_finally(spec_version, waits_first):
     events = asyncio.run(_gone_before_the_start(spec_version, waits_first))
     assert events == ["started", "closed", "on_close"]
+
+
+async def _left_while_the_body_waits(response_class) -> list[str]:
+    """A client that leaves while the body waits for its next item (as a workflow's stream
+    waits on its tree of calls); the body's `finally` awaits twice, as a workflow's does
+    while its calls unwind. The events the body saw by the time the response returned."""
+    events: list[str] = []
+    waiting = asyncio.Event()
+
+    async def body():
+        try:
+            yield "x"
+            waiting.set()
+            await asyncio.Event().wait()
+        finally:
+            events.append("finally")
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            events.append("closed")
+
+    async def send(message):
+        pass
+
+    async def receive():
+        await waiting.wait()
+        return {"type": "http.disconnect"}
+
+    response = response_class(body())
+    await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+    return list(events)
+
+
+def test_a_finally_that_awaits_runs_to_its_end():
+    events = asyncio.run(_left_while_the_body_waits(ClosingStreamingResponse))
+    assert events == ["finally", "closed"]

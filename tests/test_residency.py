@@ -263,7 +263,7 @@ def test_tenants_stay_in_their_region_and_fail_closed(checkpoint, tmp_path):
         time.sleep(0.5)
         assert _models(router, "sk-acme-2") == 200
         assert router.stop() == 0
-        log = router.proc.stdout.read()
+        log = router.log.text(ended=True)
         assert "tenants file reloaded: 1 tenant(s)" in log
         assert "tenants file not reloaded, keeping the previous one" in log
         assert not any(key in log for key in ("sk-acme", "sk-beta", "sk-gold", "sk-secret"))

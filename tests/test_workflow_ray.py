@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.otlp_receiver import OtlpReceiver
-from tests.server_helpers import free_port, processes_titled
+from tests.server_helpers import DrainedOutput, free_port, processes_titled
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray.serve", reason="Ray Serve is the 'ray' extra: make test-ray")
@@ -50,10 +50,11 @@ class Deployed:
             stderr=subprocess.STDOUT,
             text=True,
         )
+        self.log = DrainedOutput(self.proc.stdout)
         deadline = time.monotonic() + STARTUP_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"deploy exited: {self.proc.stdout.read()[-3000:]}")
+                raise RuntimeError(f"deploy exited: {self.log.text(ended=True)[-3000:]}")
             try:
                 if httpx.post(self.url + "/run", json=probe, timeout=60).status_code == 200:
                     return

@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from mci.errors import error_body
-from mci.http_stream import ClosingStreamingResponse
+from mci.http_stream import ClosingStreamingResponse, disconnected
 from mci.tracing import Tracing
 from mci.workflow.calls import EntryPoint
 from mci.workflow.errors import WorkflowError
@@ -142,7 +142,7 @@ async def _stream(entry: EntryPoint, body, timeout_s, parent, request: Request):
 
     async def events():
         feed = pipe(source(), 1)
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(disconnected(request.receive))
         pulled = None
         try:
             while True:
@@ -168,9 +168,3 @@ async def _stream(entry: EntryPoint, body, timeout_s, parent, request: Request):
 
     # `items` is closed here too: `source` may never have started (the client gone first)
     return ClosingStreamingResponse(events(), media_type="text/event-stream", on_close=items.aclose)
-
-
-async def _disconnected(request: Request) -> None:
-    """Return when the client has gone (the body was read: the next message is the end)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
