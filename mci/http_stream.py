@@ -64,11 +64,11 @@ class ClosingStreamingResponse(StreamingResponse):
             yield chunk
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":  # a websocket's denial response: Starlette's own
-            await super().__call__(scope, receive, send)
-            return
-        spec = tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
         try:
+            if scope["type"] != "http":  # a websocket's denial response: Starlette's own
+                await super().__call__(scope, receive, send)
+                return
+            spec = tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
             if spec >= (2, 4):  # a send to a gone client raises: nothing to listen for
                 try:
                     await self.stream_response(send)
@@ -95,18 +95,33 @@ class ClosingStreamingResponse(StreamingResponse):
 async def _until_disconnect(sending: Awaitable[None], receive: Receive) -> None:
     """Run `sending` until it ends or the client disconnects, whichever is first; on a
     disconnect, cancel it once (a plain asyncio cancellation: the body's `finally` may await)
-    and wait until it has ended."""
+    and wait until it has ended. Where the response itself is cancelled (a server shutting
+    down), the body still ends first, and is cancelled only once however often that comes."""
     sender = asyncio.ensure_future(sending)
     listener = asyncio.ensure_future(disconnected(receive))
+    interrupted = False
     try:
         await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        sender.cancel()  # a no-op where it ended
         listener.cancel()
-        await asyncio.wait({sender, listener})
+        if not sender.done() and not _cancelling(sender):
+            sender.cancel()  # once: another cancellation would cut its `finally` short
+        while not (sender.done() and listener.done()):
+            try:
+                await asyncio.wait({sender, listener})
+            except asyncio.CancelledError:
+                interrupted = True
+    if interrupted:
+        raise asyncio.CancelledError
     for task in (sender, listener):
         if not task.cancelled() and task.exception() is not None:
             raise task.exception()
+
+
+def _cancelling(task: asyncio.Task) -> int:
+    """Cancellations of `task` under way (Python 3.11+; 0 where it cannot tell)."""
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling() if cancelling is not None else 0
 
 
 async def disconnected(receive: Receive) -> None:

@@ -93,6 +93,7 @@ class LiveServer:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            errors="replace",  # a stray byte must not stop DrainedOutput's reader
             env={**os.environ, **(env or {})},
         )
         self.log = DrainedOutput(self.proc.stdout)

@@ -160,3 +160,47 @@ async def _left_while_the_body_waits(response_class) -> list[str]:
 def test_a_finally_that_awaits_runs_to_its_end():
     events = asyncio.run(_left_while_the_body_waits(ClosingStreamingResponse))
     assert events == ["finally", "closed"]
+
+
+async def _cancelled_twice() -> tuple[str, list[str]]:
+    """The response itself cancelled (a server shutting down), and cancelled again while the
+    body's `finally` awaits; what the response raised, and the events by then."""
+    events: list[str] = []
+    finishing = asyncio.Event()
+
+    async def body():
+        try:
+            yield "x"
+            await asyncio.Event().wait()
+        finally:
+            events.append("finally")
+            finishing.set()
+            for _ in range(5):
+                await asyncio.sleep(0)
+            events.append("closed")
+
+    async def send(message):
+        pass
+
+    async def receive():
+        await asyncio.Event().wait()  # the client stays
+
+    response = ClosingStreamingResponse(body(), on_close=lambda: events.append("on_close"))
+    task = asyncio.ensure_future(
+        response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+    )
+    await asyncio.sleep(0.01)
+    task.cancel()
+    await finishing.wait()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return "cancelled", events
+    return "returned", events
+
+
+def test_a_second_cancellation_neither_cuts_the_finally_nor_runs_on_close_early():
+    raised, events = asyncio.run(_cancelled_twice())
+    assert raised == "cancelled"
+    assert events == ["finally", "closed", "on_close"]

@@ -49,6 +49,7 @@ class Deployed:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            errors="replace",  # a stray byte must not stop DrainedOutput's reader
         )
         self.log = DrainedOutput(self.proc.stdout)
         deadline = time.monotonic() + STARTUP_S
