@@ -10,8 +10,7 @@ two timings of that cancellation leave the `finally` unrun:
 * it lands while a chunk is being sent (rather than while the body is being pulled): the
   generator stays suspended at its `yield`, and its `finally` runs only when the generator is
   garbage-collected, at once if nothing else holds it, else whenever the cyclic collector
-  reaches it. (Seen in CI: a workflow whose client had left ran its 2,000-token model call to
-  the end.)
+  reaches it.
 * the client had left before the response began, and uvicorn knew it already (say after the
   server's last check of a queued request and before its first output): the sending task is
   cancelled before it first runs, so the body never starts, and a generator that never
