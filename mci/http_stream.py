@@ -54,13 +54,21 @@ class ClosingStreamingResponse(StreamingResponse):
         on_close: Callable[[], Awaitable[None] | None] | None = None,
         **kwargs,
     ) -> None:
-        self.content, self.on_close, self.started = content, on_close, False
-        super().__init__(self._tracked(), *args, **kwargs)
+        super().__init__(content, *args, **kwargs)
+        self.on_close, self.started = on_close, False
 
-    async def _tracked(self) -> AsyncIterator:
-        self.started = True  # from here on, `content` has been asked for its first item
-        async for chunk in self.content:
-            yield chunk
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, noting when the body is first asked for an item: nothing awaits
+        between `started` and that ask, so a cancellation lands in the body or before it."""
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        self.started = True
+        async for chunk in self.body_iterator:
+            if not isinstance(chunk, bytes | memoryview):
+                chunk = chunk.encode(self.charset)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -79,11 +87,10 @@ class ClosingStreamingResponse(StreamingResponse):
                 await self.background()
         finally:
             try:
-                await self.body_iterator.aclose()
-                if not self.started and inspect.isasyncgen(self.content):
-                    await _start_and_cancel(self.content)
-                elif hasattr(self.content, "aclose"):
-                    await self.content.aclose()  # a no-op where it finished
+                if not self.started and inspect.isasyncgen(self.body_iterator):
+                    await _start_and_cancel(self.body_iterator)
+                elif hasattr(self.body_iterator, "aclose"):
+                    await self.body_iterator.aclose()  # a no-op where it finished
             finally:
                 if self.on_close is not None:
                     done = self.on_close()
