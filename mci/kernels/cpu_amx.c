@@ -91,7 +91,7 @@ static inline void block_32x32(const uint16_t *a, long lda, const uint16_t *b0,
 }
 
 /* block_32x32's first 16 rows (c [16][32]): the same sums, for a block whose other rows are
- * not wanted (a decode work item of 16 heads or fewer). */
+ * not wanted (a decode work item of 16 heads or fewer, an expert's last 16 rows or fewer). */
 static inline void block_16x32(const uint16_t *a, long lda, const uint16_t *b0,
                                const uint16_t *b1, long kblocks, float *c) {
     _tile_zero(0);
@@ -142,10 +142,13 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
             const uint16_t *wp = packed + ids[s] * n * k;
             for (long r0 = 0; r0 < counts[s]; r0 += 32) {
                 const long rows = counts[s] - r0 < 32 ? counts[s] - r0 : 32;
+                /* a last block of 16 rows or fewer runs on half the tiles: the same sums for
+                 * its rows (each row's sum never depends on the others), half the work */
+                const long height = rows > 16 ? 32 : 16;
                 const uint16_t *a = x + (starts[s] + r0) * ldx;
                 long lda = ldx;
-                if (rows < 32) { /* the segment's last rows, zero-padded to a whole block */
-                    for (long r = 0; r < 32; r++) {
+                if (rows < height) { /* the segment's last rows, zero-padded to a block */
+                    for (long r = 0; r < height; r++) {
                         if (r < rows)
                             memcpy(pad + r * k, a + r * ldx, k * sizeof(uint16_t));
                         else
@@ -157,7 +160,10 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
                 const Sink block = sink_rows(y, starts[s] + r0);
                 for (long p = p0; p < p1; p++) {
                     const uint16_t *b0 = wp + 2 * p * kblocks * 512;
-                    block_32x32(a, lda, b0, b0 + kblocks * 512, kblocks, c);
+                    if (height == 32)
+                        block_32x32(a, lda, b0, b0 + kblocks * 512, kblocks, c);
+                    else
+                        block_16x32(a, lda, b0, b0 + kblocks * 512, kblocks, c);
                     store_block(&block, rows, 32 * p, c);
                 }
             }
