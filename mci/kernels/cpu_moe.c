@@ -160,9 +160,9 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
      * fresh mappings. */
     int64_t *tokens = malloc(sizeof(int64_t) * a_count);
     float *sorted_weights = malloc(sizeof(float) * a_count);
-    uint16_t *xs = malloc(sizeof(uint16_t) * a_count * hidden);
-    uint16_t *gu = malloc(sizeof(uint16_t) * a_count * 2 * inter);
-    uint16_t *act = malloc(sizeof(uint16_t) * a_count * inter);
+    uint16_t *xs = alloc64(sizeof(uint16_t) * a_count * hidden); /* tiles' rows: alloc64 */
+    uint16_t *gu = alloc64(sizeof(uint16_t) * a_count * 2 * inter);
+    uint16_t *act = alloc64(sizeof(uint16_t) * a_count * inter);
     for (long a = 0; a < a_count; a++) {
         const long row = first[ids[a]]++;
         tokens[row] = a / top_k;
