@@ -20,12 +20,13 @@
  * 123 -> ~50 us. */
 #define PARALLEL_ELEMENTS 8192
 
-/* `bytes` on a 64-byte boundary (free() releases it), for buffers the AMX tiles load rows of
- * and store to: with malloc's 16-byte alignment every 64-byte row of a tile spans two cache
- * lines. Measured on `small`'s first MoE layer at a 1,056-token prefill, one process: its
- * AMX gate_up call took 1,373 us on mci_moe's malloc'd rows (run twice, the second timed)
- * against 1,027 us for the same call, counts and weights on torch's 64-byte aligned tensors;
- * 1,154 against 1,107 with these buffers from here. */
+/* `bytes` on a 64-byte boundary (free() releases it), for buffers whose rows AMX tiles load
+ * or a kernel's 64-byte vectors store: malloc aligns to 16 bytes only, and from a base that
+ * is not on a 64-byte boundary every 64-byte row spans two cache lines. Measured on `small`'s
+ * first MoE layer at a 1,056-token prefill, one process: its AMX gate_up call took 1,373 us
+ * on mci_moe's malloc'd rows (run twice, the second timed) against 1,027 us for the same
+ * call, counts and weights on torch's 64-byte aligned tensors; 1,154 against 1,107 with
+ * these buffers from here. */
 static inline void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
 static inline uint16_t round_bf16(float f) {
