@@ -681,18 +681,19 @@ def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(
     model.pack_for_cpu()
     bound = model._decode_on_kernels
 
-    def fresh_cache():
-        cache = model.allocate_kv_cache(2048)
+    def fresh_cache(slots: int):
+        cache = model.allocate_kv_cache(slots)
         return cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(2)))
 
     for rows in (1, 3, matvec.max_rows):
         results = []
         chunks = [SequenceChunk(torch.arange(b * 60, b * 60 + 40 + b), 1) for b in range(rows)]
+        slots = rows * 61 + 40  # past every chunk's last slot
         meta = AttentionMetadata.build(chunks, "cpu", model.attention_layout)
         ids = torch.randint(0, 2048, (rows,), generator=torch.Generator().manual_seed(rows))
         for take in (True, False):
             model._decode_on_kernels = bound if take else (lambda *args: None)
-            cache = fresh_cache()
+            cache = fresh_cache(slots)
             with torch.inference_mode():
                 hidden = model(ids, meta, cache)
                 results.append((hidden, model.logits(hidden), cache))
@@ -702,7 +703,7 @@ def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(
         for got, want in zip(results[0], results[1], strict=True):
             assert torch.equal(got, want)
         model._decode_on_kernels = bound
-        cache = fresh_cache()
+        cache = fresh_cache(slots)
         assert model.decode_logits(ids, meta, cache) is None  # outside inference mode
         with torch.inference_mode():
             logits = model.decode_logits(ids, meta, cache)
@@ -774,11 +775,12 @@ def _amx_experts_kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def test_amx_rows_are_the_exact_sum_rounded_once_whatever_the_rows_and_threads(k, n):
     """A bf16 linear of AMX_ROWS rows or more on AMX tiles, the weight read in place: within a
     bf16 step of the exact sum (nearly always on it); a row's result never depends on the
-    rows beside it, the thread count or the shares' edges; equal to the AMX expert kernel on
-    its packed copy; k not a multiple of 32 stays on the skinny kernels."""
+    rows beside it, the thread count or the shares' edges, up to the kernels' most rows (512
+    on AMX); equal to the AMX expert kernel on its packed copy; k not a multiple of 32 stays
+    on the skinny kernels."""
     g = torch.Generator().manual_seed(k + n)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    x = torch.randn(40, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(matvec.max_rows, k, generator=g).to(torch.bfloat16)
     weight = cpu_kernels.KernelWeight(w)
     weight.set_amx_rows(2)
     out = matvec.linear(x, weight)
@@ -786,7 +788,7 @@ def test_amx_rows_are_the_exact_sum_rounded_once_whatever_the_rows_and_threads(k
     ulp = ref.float().abs().clamp(min=1e-3) * 2.0**-7
     assert ((out.float() - ref.float()).abs() <= ulp).all()
     assert (out == ref).float().mean() > 0.99
-    for rows in (2, 3, 16, 17, 33):
+    for rows in (2, 3, 16, 17, 33, 40, 300):
         for start in (0, 7 - rows % 7):
             assert torch.equal(
                 matvec.linear(x[start : start + rows], weight), out[start : start + rows]

@@ -1,6 +1,7 @@
-"""Skinny matmuls on the CPU (decode sizes: up to 64 rows) over bf16 weights or FP8 e4m3
-block-scaled weights read in place (cpu_fp8.c: the FP8 matmuls take any number of rows, up to
-16 bit for bit the bf16 skinny kernel's result on the dequantised weight), a GEMM for many rows
+"""Skinny matmuls on the CPU (decode sizes: up to 64 rows; on AMX up to 512) over bf16
+weights or FP8 e4m3 block-scaled weights read in place (cpu_fp8.c: the FP8 matmuls take any
+number of rows, up to 16 bit for bit the bf16 skinny kernel's result on the dequantised
+weight), a GEMM for many rows
 (cpu_gemm.c: busy routed experts), decode attention over the latent cache read in place, and
 the small per-token steps around them (RMSNorm, rope, the latent cache write), from
 cpu_matvec.c; the gated MLP and the whole MoE block at those sizes
@@ -63,6 +64,16 @@ log = logging.getLogger(__name__)
 # kernels up to 32 rows against 61-67 ms up to 16 (two sweeps on an AVX2 EPYC; 64 rows
 # gained nothing more).
 MAX_ROWS = {"avx512": 64, "avx2": 32}
+# Most rows of a bf16 linear on the kernels where they run it on AMX tiles (`amx_rows`): the
+# in-place AMX matmul beats oneDNN's well past decode sizes. Measured on a 2-core Xeon with
+# AMX-BF16, the `small` model, one prompt prefilled beside 2 decoding requests, every linear
+# of up to N rows on AMX (the shared experts then inside the one-call MoE) against oneDNN,
+# alternating in one process (median ms a step): 130 rows 15.1 -> 13.0, 258 rows 21.7 ->
+# 19.0, 512 rows 37.2 -> 32.8, 642 rows 44.6 -> 41.2, 770 rows 47.2 -> 46.8, and slower at
+# ~1,000 (a shared-prefix burst's 993-row step 86.6 -> 93.7); whole decode steps of 128 and
+# 256 requests (every layer in one C call from 65 rows on) 20.5-21.3 -> 14.7-16.9 and
+# 32.0-32.7 -> 26.0-26.1 ms, alternating processes.
+AMX_MAX_ROWS = 512
 # Routed experts gain up to more rows per expert: the kernels read only the active experts'
 # weights in two calls, where oneDNN loops or runs a batched matmul over every expert
 # (measured on the `small` model's MoE layer: 0.9 vs 1.5 ms at 16 tokens, up to 5 per expert;
@@ -234,7 +245,8 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL, isa: str, amx: bool, fp8: bool):
         self.isa = isa  # build.py's build: "avx512", or "avx2" (cpu_avx2.h)
-        self.max_rows = MAX_ROWS[isa]  # most rows of a call on the kernels (see above)
+        # most rows of a call on the kernels (see above)
+        self.max_rows = AMX_MAX_ROWS if amx else MAX_ROWS[isa]
         self.expert_max_rows = EXPERT_MAX_ROWS[isa]  # most rows of a routed expert
         self.amx = amx  # the AMX expert kernels run here (cpu_amx.c)
         # bf16 linears of this many rows or more run on AMX tiles (0: never; see AMX_ROWS)
