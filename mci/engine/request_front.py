@@ -42,7 +42,7 @@ class RequestFront:
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (as transformers' tokenizer gives them), or the given ids
         after checking they exist in the vocabulary."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(map(int, prompt))
         if not ids:
             raise InvalidParameter("prompt is empty", "prompt")
         # text prompts too: a tokenizer larger than the model's vocabulary is caught here, not

@@ -28,6 +28,13 @@ def _clean_text(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_clean_text)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# A prompt's union members that are lists of prompts stop at their first bad element: a union
+# tries every member, and a list of token ids checked as a list of texts otherwise made an
+# error object per id (a 1,056-id prompt's body: 142 us of validation, 33 with these; the
+# accepted values and every 400's field are the same, its message may list fewer
+# alternatives)
+Texts = Annotated[list[Text], Field(fail_fast=True)]
+TokenIdLists = Annotated[list[TokenIds], Field(fail_fast=True)]
 NOT_YET_SUPPORTED = {  # fields of other engines' structured-output APIs mci does not take
     "guided_decoding_backend",
     "guided_whitespace_pattern",
@@ -104,7 +111,7 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | list[Text] | TokenIds | list[TokenIds]
+    prompt: Text | Texts | TokenIds | TokenIdLists
     echo: bool | None = False
     logprobs: int | None = Field(None, description="top alternatives per token, 0-20")
     suffix: str | None = Field(None, description="not supported: must be absent or empty")
@@ -191,8 +198,8 @@ class NativeSamplingParams(_Strict):
 class GenerateRequest(_Strict):
     """SGLang's native `/generate`: exactly one of `text` or `input_ids`."""
 
-    text: Text | list[Text] | None = None
-    input_ids: TokenIds | list[TokenIds] | None = None
+    text: Text | Texts | None = None
+    input_ids: TokenIds | TokenIdLists | None = None
     sampling_params: NativeSamplingParams | None = None
     stream: bool | None = False
     priority: int | None = None
