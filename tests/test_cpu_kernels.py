@@ -669,8 +669,9 @@ def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(
     """A decode step whose every layer runs on the kernels goes through the decoder spans
     (cpu_decoder.py, made once per row count from each DecoderLayer.decode_on_kernels): the
     same hidden states, logits and cache writes as the layers' own forward, for 1, 3 and the
-    kernels' most rows (dense and MoE layers in any order, the shared experts inside the
-    call, with and without q_lora); a prefill step does not. With BLAS's sgemm found, the
+    most rows every linear of the model takes the kernels with (512 for `small` on AMX), with
+    dense and MoE layers in any order, the shared experts inside the call, with and without
+    q_lora; a prefill step does not. With BLAS's sgemm found, the
     whole step (embedding, routers, final norm) is one C call, and `decode_logits` adds the LM
     head to it; without, the routers run in Python between the spans."""
     if not whole_step:
@@ -685,7 +686,12 @@ def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(
         cache = model.allocate_kv_cache(slots)
         return cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(2)))
 
-    for rows in (1, 3, matvec.max_rows):
+    most = min(  # the most rows every linear of the model takes the kernels with
+        matvec.linear_max_rows(m.in_features, m.kernel.fp8)
+        for m in model.modules()
+        if isinstance(m, Linear) and m.kernel is not None and m.weight.dim() == 2
+    )
+    for rows in (1, 3, most):
         results = []
         chunks = [SequenceChunk(torch.arange(b * 60, b * 60 + 40 + b), 1) for b in range(rows)]
         slots = rows * 61 + 40  # past every chunk's last slot
@@ -780,7 +786,7 @@ def test_amx_rows_are_the_exact_sum_rounded_once_whatever_the_rows_and_threads(k
     on the skinny kernels."""
     g = torch.Generator().manual_seed(k + n)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    x = torch.randn(matvec.max_rows, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(matvec.linear_max_rows(k, fp8=False), k, generator=g).to(torch.bfloat16)
     weight = cpu_kernels.KernelWeight(w)
     weight.set_amx_rows(2)
     out = matvec.linear(x, weight)
@@ -922,7 +928,7 @@ def test_the_routers_sgemm_gives_f_linears_bits():
     gen = torch.Generator().manual_seed(0)
     for experts, hidden in ((32, 512), (256, 7168), (8, 96)):
         weight = torch.randn(experts, hidden, generator=gen) * 0.05
-        for rows in (1, 2, 3, 7, 16, 33, 64):
+        for rows in (1, 2, 3, 7, 16, 33, 64, 300, 512):  # 512: cpu_kernels.AMX_MAX_ROWS
             assert cpu_decoder.sgemm_is_linear(sgemm, weight, rows)
 
 

@@ -75,19 +75,23 @@ def test_kernel_warm_up_runs_every_bucketed_shape_once(checkpoint):
     ids = torch.randint(0, 2048, (20,), generator=torch.Generator().manual_seed(4)).tolist()
     before = prefill_logits(model, ids)
     head = model.lm_head
-    shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear)}
-    shapes.discard((head.out_features, head.in_features))  # heads (MTP's too): the logit rows
+    first = {}  # each weight shape's first packed layer (kernels are keyed by shape)
+    for m in model.modules():
+        if isinstance(m, Linear) and m._packed is not None:
+            first.setdefault((m.out_features, m.in_features), m)
+    del first[head.out_features, head.in_features]  # heads (MTP's too): the logit rows
     sizes = bucket_sizes(300)
     assert sizes[:17] == list(range(1, 17)) + [32] and sizes[-1] == 320
 
-    def onednn(n):  # the row counts oneDNN takes (the same for every layer here)
-        return [rows for rows in bucket_sizes(n) if head.skinny(rows) is None]
+    def onednn(layer, n):  # the row counts oneDNN takes for this layer
+        return [rows for rows in bucket_sizes(n) if layer.skinny(rows) is None]
 
-    assert len(onednn(300)) < len(sizes)  # the kernels take the smallest counts
+    most = 600  # past the kernels' most rows (64; on AMX up to 512)
+    assert all(0 < len(onednn(layer, most)) < len(bucket_sizes(most)) for layer in first.values())
     capacities = bucket_sizes(RoutedExperts.GROUPED_MAX_ROWS)
-    expected = len(onednn(40)) + len(shapes) * len(onednn(300))
-    expected += 2 * len(sizes) + 2 * len(capacities)
-    assert model.warm_up_cpu_kernels(300, 40) == expected
+    expected = len(onednn(head, 40)) + sum(len(onednn(layer, most)) for layer in first.values())
+    expected += 2 * len(bucket_sizes(most)) + 2 * len(capacities)
+    assert model.warm_up_cpu_kernels(most, 40) == expected
     assert torch.equal(prefill_logits(model, ids), before)
 
 

@@ -1,10 +1,9 @@
-"""Skinny matmuls on the CPU (decode sizes: up to 64 rows; on AMX up to 512) over bf16
+"""Skinny matmuls on the CPU (decode sizes: up to 64 rows; bf16 on AMX up to 512) over bf16
 weights or FP8 e4m3 block-scaled weights read in place (cpu_fp8.c: the FP8 matmuls take any
 number of rows, up to 16 bit for bit the bf16 skinny kernel's result on the dequantised
-weight), a GEMM for many rows
-(cpu_gemm.c: busy routed experts), decode attention over the latent cache read in place, and
-the small per-token steps around them (RMSNorm, rope, the latent cache write), from
-cpu_matvec.c; the gated MLP and the whole MoE block at those sizes
+weight), a GEMM for many rows (cpu_gemm.c: busy routed experts), decode attention over the
+latent cache read in place, and the small per-token steps around them (RMSNorm, rope, the
+latent cache write), from cpu_matvec.c; the gated MLP and the whole MoE block at those sizes
 in one call each, from cpu_moe.c; prefill attention's scores and softmax, from
 cpu_prefill_attention.c.
 
@@ -74,6 +73,15 @@ MAX_ROWS = {"avx512": 64, "avx2": 32}
 # 256 requests (every layer in one C call from 65 rows on) 20.5-21.3 -> 14.7-16.9 and
 # 32.0-32.7 -> 26.0-26.1 ms, alternating processes.
 AMX_MAX_ROWS = 512
+# ... for a weight of k inputs (a multiple of 32; bf16) while a call's x, which the in-place
+# AMX matmul packs whole for each thread and reads again for every 32 weight rows, takes at
+# most half a core's L2 (2 MB on the Xeon measured), the weight's tiles streaming through the
+# rest: the measurements above are there (k <= 512: 0.5 MB at 512 rows; `small`'s one
+# k = 1,536 weight, its dense MLP's down projection, stops at 341 rows). DeepSeek-V3's
+# weights of k = 7,168 (its hidden size) stop at 73 rows and its o_proj (k = 16,384) at the
+# decode sizes' 64, so its one-call decode steps (every linear of a layer on the kernels) keep
+# their old bound.
+AMX_PACKED_X_BYTES = 1 << 20
 # Routed experts gain up to more rows per expert: the kernels read only the active experts'
 # weights in two calls, where oneDNN loops or runs a batched matmul over every expert
 # (measured on the `small` model's MoE layer: 0.9 vs 1.5 ms at 16 tokens, up to 5 per expert;
@@ -245,7 +253,7 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL, isa: str, amx: bool, fp8: bool):
         self.isa = isa  # build.py's build: "avx512", or "avx2" (cpu_avx2.h)
-        # most rows of a call on the kernels (see above)
+        # most rows of a call on the kernels (see above; a linear's own: `linear_max_rows`)
         self.max_rows = AMX_MAX_ROWS if amx else MAX_ROWS[isa]
         self.expert_max_rows = EXPERT_MAX_ROWS[isa]  # most rows of a routed expert
         self.amx = amx  # the AMX expert kernels run here (cpu_amx.c)
@@ -420,6 +428,15 @@ class CpuKernels:
         if status != 0:
             raise ValueError(f"prefill_attention: status {status} on AMX (head dims {d}, {dv})")
         return out.view(b, h, nq, dv), lse.view(b, h, nq)
+
+    def linear_max_rows(self, k: int, fp8: bool) -> int:
+        """Most rows a linear of k inputs takes the kernels with: the decode sizes' limit, or
+        on AMX up to AMX_MAX_ROWS for a bf16 weight the in-place AMX matmul runs (k a
+        multiple of 32) while its packed x fits in AMX_PACKED_X_BYTES (see above)."""
+        base = MAX_ROWS[self.isa]
+        if not self.amx or fp8 or k % 32:
+            return base
+        return max(base, min(AMX_MAX_ROWS, AMX_PACKED_X_BYTES // (2 * k)))
 
     def _check(self, weight: KernelWeight) -> KernelWeight:
         if weight.fp8 and not self.fp8:

@@ -300,13 +300,18 @@ class Linear(nn.Module):
 
     def skinny(self, rows: int, expert_rows: bool = False):
         """The skinny-matmul kernels (a `cpu_kernels.CpuKernels`) when a call of `rows` rows
-        should use them: packed for the CPU, at most the kernels' `max_rows` (a routed
-        expert's `expert_max_rows` with `expert_rows`), and not batch-invariant (that mode
-        keeps one kernel, oneDNN's, for every row count); else None."""
+        should use them: packed for the CPU, at most the kernels' `linear_max_rows` for this
+        weight (a routed expert's `expert_max_rows` with `expert_rows`), and not
+        batch-invariant (that mode keeps one kernel, oneDNN's, for every row count); else
+        None."""
         matvec = self.matvec
         if matvec is None or self.fixed_rows is not None:
             return None
-        limit = matvec.expert_max_rows if expert_rows else matvec.max_rows
+        if expert_rows:
+            limit = matvec.expert_max_rows
+        else:
+            fp8 = self.kernel is not None and self.kernel.fp8
+            limit = matvec.linear_max_rows(self.in_features, fp8)
         return matvec if rows <= limit else None
 
     def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:

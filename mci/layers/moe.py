@@ -266,9 +266,10 @@ class MoE(nn.Module):
     layer): its experts on the skinny kernels when they get at most the kernels'
     `expert_max_rows` tokens, busier ones (prefill chunks) on AMX tiles where the CPU has AMX,
     else on the AVX-512 build's GEMM (cpu_gemm.c; FP8 experts widened by cpu_fp8.c). The
-    shared experts run inside the call at row counts the skinny kernels take (`max_rows`),
-    below as usual at more. The AVX2 build has no GEMM: a step with a busy expert falls back
-    to the paths below, fed the routing the call computed.
+    shared experts run inside the call at row counts their linears take the kernels with
+    (`Linear.skinny`: up to 64 rows, bf16 on AMX up to 512), below as usual at more. The AVX2
+    build has no GEMM: a step with a busy expert falls back to the paths below, fed the
+    routing the call computed.
 
     Takes its input in float32 (the decoder layer's norm skips rounding it): routing is a
     discrete choice, and near-ties between experts flip on the rounding of the router's input,
