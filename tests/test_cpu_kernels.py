@@ -669,11 +669,12 @@ def test_a_decode_step_of_bound_kernel_calls_is_the_layers_bit_for_bit(
     """A decode step whose every layer runs on the kernels goes through the decoder spans
     (cpu_decoder.py, made once per row count from each DecoderLayer.decode_on_kernels): the
     same hidden states, logits and cache writes as the layers' own forward, for 1, 3 and the
-    most rows every linear of the model takes the kernels with (512 for `small` on AMX), with
-    dense and MoE layers in any order, the shared experts inside the call, with and without
-    q_lora; a prefill step does not. With BLAS's sgemm found, the
-    whole step (embedding, routers, final norm) is one C call, and `decode_logits` adds the LM
-    head to it; without, the routers run in Python between the spans."""
+    most rows every linear of the model takes the kernels with (on AMX 341 for `small`: its
+    dense down projection's k = 1,536), with dense and MoE layers in any order, the shared
+    experts inside the call, with and without q_lora; a prefill step does not. With BLAS's
+    sgemm found, the whole step (embedding, routers, final norm) is one C call, and
+    `decode_logits` adds the LM head to it; without, the routers run in Python between the
+    spans."""
     if not whole_step:
         monkeypatch.setattr(deepseek_v3, "blas_sgemm", lambda: None)
     elif cpu_decoder.blas_sgemm() is None:

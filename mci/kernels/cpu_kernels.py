@@ -68,7 +68,7 @@ MAX_ROWS = {"avx512": 64, "avx2": 32}
 # AMX-BF16, the `small` model, one prompt prefilled beside 2 decoding requests, every linear
 # of up to N rows on AMX (the shared experts then inside the one-call MoE) against oneDNN,
 # alternating in one process (median ms a step): 130 rows 15.1 -> 13.0, 258 rows 21.7 ->
-# 19.0, 512 rows 37.2 -> 32.8, 642 rows 44.6 -> 41.2, 770 rows 47.2 -> 46.8, and slower at
+# 18.9, 512 rows 37.2 -> 32.8, 642 rows 44.6 -> 41.2, 770 rows 47.2 -> 46.8, and slower at
 # ~1,000 (a shared-prefix burst's 993-row step 86.6 -> 93.7); whole decode steps of 128 and
 # 256 requests (every layer in one C call from 65 rows on) 20.5-21.3 -> 14.7-16.9 and
 # 32.0-32.7 -> 26.0-26.1 ms, alternating processes.
