@@ -253,8 +253,9 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL, isa: str, amx: bool, fp8: bool):
         self.isa = isa  # build.py's build: "avx512", or "avx2" (cpu_avx2.h)
-        # most rows of a call on the kernels (see above; a linear's own: `linear_max_rows`)
-        self.max_rows = AMX_MAX_ROWS if amx else MAX_ROWS[isa]
+        # most rows of a call on the kernels at decode sizes (see above); a linear's own
+        # bound, up to AMX_MAX_ROWS on AMX: `linear_max_rows`
+        self.max_rows = MAX_ROWS[isa]
         self.expert_max_rows = EXPERT_MAX_ROWS[isa]  # most rows of a routed expert
         self.amx = amx  # the AMX expert kernels run here (cpu_amx.c)
         # bf16 linears of this many rows or more run on AMX tiles (0: never; see AMX_ROWS)
@@ -433,10 +434,9 @@ class CpuKernels:
         """Most rows a linear of k inputs takes the kernels with: the decode sizes' limit, or
         on AMX up to AMX_MAX_ROWS for a bf16 weight the in-place AMX matmul runs (k a
         multiple of 32) while its packed x fits in AMX_PACKED_X_BYTES (see above)."""
-        base = MAX_ROWS[self.isa]
         if not self.amx or fp8 or k % 32:
-            return base
-        return max(base, min(AMX_MAX_ROWS, AMX_PACKED_X_BYTES // (2 * k)))
+            return self.max_rows
+        return max(self.max_rows, min(AMX_MAX_ROWS, AMX_PACKED_X_BYTES // (2 * k)))
 
     def _check(self, weight: KernelWeight) -> KernelWeight:
         if weight.fp8 and not self.fp8:

@@ -204,6 +204,7 @@ class Linear(nn.Module):
         self._packed: list[torch.Tensor] | None = None  # oneDNN copy, per expert when stacked
         self.matvec: cpu_kernels.CpuKernels | None = None  # skinny-matmul kernels (CPU)
         self.kernel: cpu_kernels.KernelWeight | None = None  # the weight as they read it
+        self.kernel_rows = 0  # most rows of a call on them (`linear_max_rows`, set with them)
         self.fixed_rows: int | None = None  # rows per call, for batch invariance (see above)
         self.widened: torch.Tensor | None = None  # float32 copy of a bf16 weight (see above)
         if fp8_block is None:
@@ -251,7 +252,7 @@ class Linear(nn.Module):
             self.matvec = self.kernel = None
             if kernels is None or not kernels.fp8 or self.block != (128, 128):
                 return False
-            self.matvec = kernels
+            self.matvec, self.kernel_rows = kernels, kernels.linear_max_rows(self.in_features, True)
             scale = self.weight_scale_inv
             self.kernel = cpu_kernels.KernelWeight(w.contiguous(), scale, self.row_block)
             self.kernel.set_skinny_order(self.fixed_rows is not None)
@@ -268,6 +269,7 @@ class Linear(nn.Module):
         self.kernel = cpu_kernels.KernelWeight(w.contiguous()) if kernels is not None else None
         if self.kernel is not None:  # AMX where it runs, but one kernel in batch invariance
             self.kernel.set_amx_rows(0 if self.fixed_rows is not None else kernels.amx_rows)
+            self.kernel_rows = kernels.linear_max_rows(self.in_features, False)
         return True
 
     def matmul_weight(self) -> torch.Tensor:
@@ -300,18 +302,13 @@ class Linear(nn.Module):
 
     def skinny(self, rows: int, expert_rows: bool = False):
         """The skinny-matmul kernels (a `cpu_kernels.CpuKernels`) when a call of `rows` rows
-        should use them: packed for the CPU, at most the kernels' `linear_max_rows` for this
-        weight (a routed expert's `expert_max_rows` with `expert_rows`), and not
-        batch-invariant (that mode keeps one kernel, oneDNN's, for every row count); else
-        None."""
+        should use them: packed for the CPU, at most `kernel_rows` (a routed expert's
+        `expert_max_rows` with `expert_rows`), and not batch-invariant (that mode keeps one
+        kernel, oneDNN's, for every row count); else None."""
         matvec = self.matvec
         if matvec is None or self.fixed_rows is not None:
             return None
-        if expert_rows:
-            limit = matvec.expert_max_rows
-        else:
-            fp8 = self.kernel is not None and self.kernel.fp8
-            limit = matvec.linear_max_rows(self.in_features, fp8)
+        limit = matvec.expert_max_rows if expert_rows else self.kernel_rows
         return matvec if rows <= limit else None
 
     def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
