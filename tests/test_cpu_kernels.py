@@ -749,6 +749,40 @@ def test_prefill_sized_moe_on_amx_stays_with_the_grouped_path(checkpoint):
             assert torch.equal(tile[3, 5], gate_up[0, 5, 6:8])
 
 
+@pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")
+def test_shared_experts_past_their_kernels_bound_run_inside_the_call_on_amx(checkpoint):
+    """A step past the shared experts' linears' bound on the kernels: the shared experts run
+    inside the one call on the routed experts' AMX kernels, not on oneDNN after it; the block's
+    output within a bf16 rounding of the shared experts run outside (nearly all equal), and
+    equal to the same rows computed in a smaller step of the same path."""
+    model, moe = _packed_moe(checkpoint, "small")
+    assert moe.shared_amx is not None
+    shared = moe.shared_experts
+    rows = max(shared.gate_up_proj.kernel_rows, shared.down_proj.kernel_rows) + 88
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(rows, model.cfg.hidden_size, generator=g) * 2
+    with torch.inference_mode():
+        bound, whole = moe.bound_call(rows)
+        assert whole
+        assert bound.args["amx_s_gate_up"] is not None
+        assert bound.args["w_s_gate_up"] is None
+        inside = moe(x)
+        packed, moe.shared_amx, moe._bound = moe.shared_amx, None, {}
+        try:
+            _, whole = moe.bound_call(rows)
+            assert not whole  # the shared experts after the call
+            outside = moe(x)
+        finally:
+            moe.shared_amx, moe._bound = packed, {}
+        scale = outside.abs().max()
+        assert (inside - outside).abs().max() <= 2**-8 * scale
+        assert (inside == outside).float().mean() > 0.99
+        tail = moe.bound_call(rows - 20)[0]  # still past the bound: the same path
+        later = moe(x[20:])
+        assert tail.args["amx_s_gate_up"] is not None
+        assert torch.equal(later, inside[20:])  # a row's result, whatever the step
+
+
 class _Sink(ctypes.Structure):
     """cpu_kernels.h's Sink, bf16 rows."""
 
@@ -761,18 +795,40 @@ class _Sink(ctypes.Structure):
     ]
 
 
-def _amx_experts_kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w^T through cpu_amx.c's expert kernel, which reads an `amx_pack`ed copy of w."""
+def _amx_experts_kernel(x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """x @ w^T through cpu_amx.c's expert kernel, which reads an `amx_pack`ed copy of w; with
+    `gated`, w a gate_up weight, the SiLU-gated activations of it (its gated kernel)."""
     lib = ctypes.CDLL(str(build.built_library(matvec.isa)))  # the library `matvec` loaded
-    run = lib.mci_amx_experts_into
+    run = lib.mci_amx_gated_experts_into if gated else lib.mci_amx_experts_into
     run.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, _Sink]
     run.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
     (m, k), n = x.shape, w.shape[0]
-    packed, y = matvec.amx_pack(w[None]), torch.empty(m, n, dtype=torch.bfloat16)
+    width = n // 2 if gated else n
+    packed, y = matvec.amx_pack(w[None], gated), torch.empty(m, width, dtype=torch.bfloat16)
     ids, starts, counts = torch.tensor([[0], [0], [m]])
     pointers = (ids.data_ptr(), starts.data_ptr(), counts.data_ptr())
-    run(x.data_ptr(), k, packed.data_ptr(), _Sink(y.data_ptr(), n), *pointers, 1, n, k)
+    run(x.data_ptr(), k, packed.data_ptr(), _Sink(y.data_ptr(), width), *pointers, 1, n, k)
     return y
+
+
+@pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")
+def test_gated_amx_experts_give_the_silu_gated_product_of_the_plain_kernels_outputs():
+    """The gated expert kernel (gate and up packed interleaved, the activations stored straight
+    from the tiles) against the plain kernel's gate and up outputs through torch's bf16 silu
+    and mul: nearly every element equal (the exps differ within a float32 ulp), none more than
+    a bf16 step apart; a row's result independent of the rows beside it."""
+    g = torch.Generator().manual_seed(12)
+    inter, k = 96, 160
+    w = torch.randn(2 * inter, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(75, k, generator=g).to(torch.bfloat16)
+    gate, up = _amx_experts_kernel(x, w).chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = _amx_experts_kernel(x, w, gated=True)
+    assert (got == want).float().mean() > 0.99
+    step = want.float().abs().clamp(min=1e-3) * 2.0**-7
+    assert ((got.float() - want.float()).abs() <= step).all()
+    for rows in (40, 17, 16, 3):  # whole blocks, 32-row and 16-row tails
+        assert torch.equal(_amx_experts_kernel(x[:rows], w, gated=True), got[:rows])
 
 
 @pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")

@@ -124,12 +124,26 @@ static inline void store_block(const Sink *s, long rows, long n0, const float *c
         }
 }
 
+/* A block's first `rows` rows of c [32][32], gate features in its first 16 columns and the
+ * matching up features in its last 16 (a gate_up weight packed interleaved: cpu_kernels.h),
+ * into the sink's bf16 rows as 16 activations from column f0: each of g and u rounded to
+ * bf16 as store_block would store them, then silu_mul16, so the same bits as storing both
+ * and running cpu_moe.c's silu_mul over them. */
+static inline void store_gated(const Sink *s, long rows, long f0, const float *c) {
+    for (long r = 0; r < rows; r++) {
+        const __m256i g = round16(_mm512_load_ps(c + r * 32)), u = round16(_mm512_load_ps(c + r * 32 + 16));
+        _mm256_storeu_si256((__m256i *)(s->y + r * s->ldy + f0), silu_mul16(g, u));
+    }
+}
+
 /* For each segment s, rows [starts[s], starts[s] + counts[s]) of x [*, k] (row stride ldx)
  * through expert ids[s] of the packed weights [experts, n, k], into the sink y (row r of
- * the segment is sink row starts[s] + r). n and k multiples of 32. */
-void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, Sink y,
-                          const int64_t *ids, const int64_t *starts, const int64_t *counts,
-                          long segments, long n, long k) {
+ * the segment is sink row starts[s] + r): the outputs, or with `gated` their SiLU-gated
+ * activations (store_gated). n and k multiples of 32. */
+static inline void experts_into(const uint16_t *x, long ldx, const uint16_t *packed, Sink y,
+                                const int64_t *ids, const int64_t *starts,
+                                const int64_t *counts, long segments, long n, long k,
+                                int gated) {
     const long kblocks = k / 32, pairs = n / 32;
 #pragma omp parallel
     {
@@ -164,13 +178,30 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
                         block_32x32(a, lda, b0, b0 + kblocks * 512, kblocks, c);
                     else
                         block_16x32(a, lda, b0, b0 + kblocks * 512, kblocks, c);
-                    store_block(&block, rows, 32 * p, c);
+                    if (gated)
+                        store_gated(&block, rows, 16 * p, c);
+                    else
+                        store_block(&block, rows, 32 * p, c);
                 }
             }
         }
         free(pad);
         _tile_release();
     }
+}
+
+void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, Sink y,
+                          const int64_t *ids, const int64_t *starts, const int64_t *counts,
+                          long segments, long n, long k) {
+    experts_into(x, ldx, packed, y, ids, starts, counts, segments, n, k, 0);
+}
+
+/* (cpu_kernels.h) The activations straight from the tiles: no [rows, 2 inter] output written
+ * and read back by a separate pass. */
+void mci_amx_gated_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, Sink y,
+                                const int64_t *ids, const int64_t *starts,
+                                const int64_t *counts, long segments, long n, long k) {
+    experts_into(x, ldx, packed, y, ids, starts, counts, segments, n, k, 1);
 }
 
 /* ---- Decode-sized matmuls, the weight read in place ------------------------------------------

@@ -36,6 +36,14 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
     abort();
 }
 
+void mci_amx_gated_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, Sink y,
+                                const int64_t *ids, const int64_t *starts,
+                                const int64_t *counts, long segments, long n, long k) {
+    (void)x, (void)ldx, (void)packed, (void)y, (void)ids, (void)starts, (void)counts;
+    (void)segments, (void)n, (void)k;
+    abort();
+}
+
 void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
                         long n0, long n1) {
     (void)x, (void)ldx, (void)w, (void)k, (void)y, (void)m, (void)n0, (void)n1;

@@ -51,6 +51,7 @@ typedef struct {
     float scaling;
     const uint16_t *amx_gate_up, *amx_down;
     const Weight *w_s_gate_up, *w_s_down;
+    const uint16_t *amx_s_gate_up, *amx_s_down;
     long s_inter, max_rows;
     /* the router's float32 weight [e, hidden] for mci_decoder_step (NULL: the caller routes) */
     const float *router_w;
@@ -90,7 +91,7 @@ int mci_decoder_span(const DecodeStep *s, const DecodeLayer *finish, const float
         if (mci_moe(normed, logits, L->bias, t, L->e, L->n_group, L->topk_group, L->top_k,
                     L->norm_topk, L->scaling, weights, ids, L->w_gate_up, L->w_down,
                     L->amx_gate_up, L->amx_down, hidden, L->inter, L->w_s_gate_up, L->w_s_down,
-                    L->s_inter, L->max_rows, x))
+                    L->amx_s_gate_up, L->amx_s_down, L->s_inter, L->max_rows, x))
             return 1;
         add_into(x, h, n);
     }

@@ -50,7 +50,8 @@ class DecodeLayer(ctypes.Structure):
         ("moe", c_int), ("w_gate_up", ptr), ("w_down", ptr), ("inter", long), ("bias", ptr),
         ("e", long), ("n_group", long), ("topk_group", long), ("top_k", long),
         ("norm_topk", c_int), ("scaling", c_float), ("amx_gate_up", ptr), ("amx_down", ptr),
-        ("w_s_gate_up", ptr), ("w_s_down", ptr), ("s_inter", long), ("max_rows", long),
+        ("w_s_gate_up", ptr), ("w_s_down", ptr), ("amx_s_gate_up", ptr), ("amx_s_down", ptr),
+        ("s_inter", long), ("max_rows", long),
         ("router_w", ptr),
     ]  # fmt: skip
 

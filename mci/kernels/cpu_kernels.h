@@ -175,6 +175,15 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* 16 SiLU-gated activations, bf16(bf16(silu(g)) * u) from bf16 g and u: torch's bf16 silu
+ * (rounded once), then its bf16 mul (cpu_moe.c's silu_mul, cpu_amx.c's gated experts) */
+static inline __m256i silu_mul16(__m256i g, __m256i u) {
+    const __m512 gv = widen16(g);
+    const __m512 s = _mm512_div_ps(
+        gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+    return round16(_mm512_mul_ps(widen16(round16(s)), widen16(u)));
+}
+
 /* A weight [n, k] as the matmuls read it: bf16 (scale NULL), or FP8 e4m3 with 128x128 block
  * scales: scale_inv [scale_rows, ceil(k / 128)] float32, row_block[r] the scale row of weight
  * row r (stacked parts each start a new scale row; mci/layers/linear.py). Stacked experts:
@@ -260,8 +269,8 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
             long n_group, long topk_group, long top_k, int norm, float scaling, float *weights,
             int64_t *ids, const Weight *w_gate_up, const Weight *w_down,
             const uint16_t *amx_gate_up, const uint16_t *amx_down, long hidden, long inter,
-            const Weight *w_s_gate_up, const Weight *w_s_down, long s_inter, long max_rows,
-            float *out);
+            const Weight *w_s_gate_up, const Weight *w_s_down, const uint16_t *amx_s_gate_up,
+            const uint16_t *amx_s_down, long s_inter, long max_rows, float *out);
 
 /* x + the attention sublayer of a decode step, into out float32 [t, hidden]; -1 where the
  * latent rank is above MAX_LATENT. cpu_mla.c. */
@@ -295,6 +304,13 @@ void mci_bf16_gemm(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink 
 void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, Sink y,
                           const int64_t *ids, const int64_t *starts, const int64_t *counts,
                           long segments, long n, long k);
+
+/* The same for a gate_up weight [experts, 2 inter, k] packed with its gate and up rows
+ * interleaved 16 at a time (gate rows 16 j.., then up rows 16 j.., for each j), into y's bf16
+ * rows [*, inter] as their SiLU-gated activations (silu_mul16), n = 2 inter. cpu_amx.c. */
+void mci_amx_gated_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, Sink y,
+                                const int64_t *ids, const int64_t *starts,
+                                const int64_t *counts, long segments, long n, long k);
 
 /* Rows [n0, n1) of a bf16 weight w [n, k], read in place, for all m rows of x into a sink, on
  * AMX tiles (cpu_amx.c); k a multiple of 32. Called by each thread for its own share. */

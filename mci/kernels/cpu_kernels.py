@@ -307,7 +307,7 @@ class CpuKernels:
         self._moe = lib.mci_moe
         self._moe.argtypes = [ptr, ptr, ptr, long, long, long, long, long, ctypes.c_int,
                               ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr, long, long, ptr,
-                              ptr, long, long, ptr]  # fmt: skip
+                              ptr, ptr, ptr, long, long, ptr]  # fmt: skip
         self._moe.restype = ctypes.c_int
         self._mla = lib.mci_mla_decode
         self._mla.argtypes = [ptr, long, long, ptr, ctypes.c_float, ptr, long, ptr,
@@ -769,12 +769,16 @@ class CpuKernels:
         )  # fmt: skip
         return y
 
-    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def amx_pack(self, weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
         """Stacked bf16 weights [E, n, k] in the AMX tile layout (cpu_amx.c), or None where
-        the AMX kernels do not run or n, k are not multiples of 32."""
+        the AMX kernels do not run or n, k are not multiples of 32. `gated`: a gate_up weight
+        (gate rows, then as many up rows), its rows interleaved 16 at a time first, as
+        `mci_amx_gated_experts_into` (through `moe`) reads it (cpu_kernels.h)."""
         e, n, k = weight.shape
         if not self.amx or n % 32 or k % 32 or weight.dtype != torch.bfloat16:
             return None
+        if gated:  # [E, 2, inter/16, 16, k] -> [E, inter/16, 2, 16, k]
+            weight = weight.view(e, 2, n // 32, 16, k).transpose(1, 2).reshape(e, n, k)
         weight = weight.contiguous()
         out = torch.empty_like(weight)
         self._amx_pack(weight.data_ptr(), e, n, k, out.data_ptr())
@@ -787,10 +791,13 @@ class CpuKernels:
         amx: tuple[torch.Tensor, torch.Tensor] | None,
         shared: tuple[torch.Tensor | KernelWeight, torch.Tensor | KernelWeight] | None,
         max_rows: int,
+        amx_shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> BoundMoE:
         """`moe`'s arguments that stay fixed for one MoE layer, converted once: a decode step
-        calls it with only its rows (see BoundMoE)."""
-        return BoundMoE(self, router, experts, amx, shared, max_rows)
+        calls it with only its rows (see BoundMoE). `amx_shared`: instead of `shared`, the
+        shared experts' (gate_up, down) `amx_pack`ed as one expert each (gate_up `gated`),
+        run on the AMX expert kernels at any row count."""
+        return BoundMoE(self, router, experts, amx, shared, max_rows, amx_shared)
 
     def moe(
         self,
@@ -804,9 +811,10 @@ class CpuKernels:
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """mci/layers/moe.py's MoE after the router's matmul: x float32 [T, hidden], logits
         float32 [T, E]; the stacked experts' (gate_up [E, 2I, hidden], down [E, hidden, I]),
-        the same `amx_pack`ed or None; the shared experts' (gate_up, down) or None. Experts
-        with up to `max_rows` tokens run on the skinny kernels, busier ones on AMX where
-        packed for it, else on the GEMM (bf16: cpu_gemm.c; FP8: cpu_fp8.c's).
+        the same `amx_pack`ed (gate_up with `gated`) or None; the shared experts' (gate_up,
+        down) or None. Experts with up to `max_rows` tokens run on the skinny kernels, busier
+        ones on AMX where packed for it, else on the GEMM (bf16: cpu_gemm.c; FP8:
+        cpu_fp8.c's).
         -> (out float32 [T, hidden], or None when an expert has more than `max_rows` tokens
         in the AVX2 build (no GEMM there); routing weights float32 [T, K]; expert ids int64
         [T, K])."""
@@ -842,7 +850,12 @@ class BoundMoE:
     addresses, the router's constants): a call passes only the step's rows. Holds the
     weights' KernelWeights, so the addresses stay valid while it lives."""
 
-    def __init__(self, kernels: CpuKernels, router: MoERouting, experts, amx, shared, max_rows):
+    def __init__(
+        self, kernels: CpuKernels, router: MoERouting, experts, amx, shared, max_rows,
+        amx_shared=None,
+    ):  # fmt: skip
+        if shared is not None and amx_shared is not None:
+            raise ValueError("the shared experts run on the kernels or on AMX tiles, not both")
         check = kernels._check
         gate_up, down = (check(kernel_weight(w)) for w in experts)
         amx_gate_up, amx_down = amx if amx is not None else (None, None)
@@ -850,7 +863,8 @@ class BoundMoE:
             (check(kernel_weight(w)) for w in shared) if shared is not None else (None, None)
         )
         self._call = kernels._moe
-        self.weights = (gate_up, down, s_gate_up, s_down, amx, router.bias)
+        amx_s_gate_up, amx_s_down = amx_shared if amx_shared is not None else (None, None)
+        self.weights = (gate_up, down, s_gate_up, s_down, amx, amx_shared, router.bias)
         self.top_k = router.top_k
         # each fixed argument by its name in cpu_decoder.c's DecodeLayer (`fields`); the call's
         # groups of them below in mci_moe's parameter order
@@ -864,7 +878,12 @@ class BoundMoE:
             "inter": down.k,
             "w_s_gate_up": None if s_gate_up is None else s_gate_up.address,
             "w_s_down": None if s_down is None else s_down.address,
-            "s_inter": 0 if s_down is None else s_down.k,
+            "amx_s_gate_up": None if amx_s_gate_up is None else amx_s_gate_up.data_ptr(),
+            "amx_s_down": None if amx_s_down is None else amx_s_down.data_ptr(),
+            "s_inter": (
+                s_down.k if s_down is not None
+                else amx_s_down.shape[-1] if amx_s_down is not None else 0
+            ),
             "max_rows": max_rows,
         }  # fmt: skip
         named = self.args.__getitem__
@@ -872,7 +891,18 @@ class BoundMoE:
         self._bias = self.args["bias"]
         self._experts = tuple(map(named, ("w_gate_up", "w_down", "amx_gate_up", "amx_down")))
         self._shared = tuple(
-            map(named, ("inter", "w_s_gate_up", "w_s_down", "s_inter", "max_rows"))
+            map(
+                named,
+                (
+                    "inter",
+                    "w_s_gate_up",
+                    "w_s_down",
+                    "amx_s_gate_up",
+                    "amx_s_down",
+                    "s_inter",
+                    "max_rows",
+                ),
+            )
         )
 
     def __call__(

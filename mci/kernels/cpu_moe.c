@@ -33,12 +33,9 @@ static void silu_mul(const uint16_t *gu, long rows, long inter, uint16_t *act) {
         for (long i = 0; i < inter; i += 16) {
             const __mmask16 m = (inter - i) >= 16 ? (__mmask16)0xffff
                                                   : (__mmask16)((1u << (inter - i)) - 1);
-            const __m512 gv = widen16(_mm256_maskz_loadu_epi16(m, g + i));
-            const __m512 uv = widen16(_mm256_maskz_loadu_epi16(m, u + i));
-            const __m512 s = _mm512_div_ps(
-                gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-            const __m512 product = _mm512_mul_ps(widen16(round16(s)), uv);
-            _mm256_mask_storeu_epi16(out + i, m, round16(product));
+            const __m256i act = silu_mul16(_mm256_maskz_loadu_epi16(m, g + i),
+                                           _mm256_maskz_loadu_epi16(m, u + i));
+            _mm256_mask_storeu_epi16(out + i, m, act);
         }
     }
 }
@@ -67,13 +64,11 @@ static void route(const float *logits, const float *bias, long e, long n_group, 
         float group_score[n_group];
         for (long g = 0; g < n_group; g++) {  /* the sum of the group's top two */
             float a = -INFINITY, b = -INFINITY;
-            for (long i = g * size; i < (g + 1) * size; i++) {
-                if (choice[i] > a) {
-                    b = a;
-                    a = choice[i];
-                } else if (choice[i] > b) {
-                    b = choice[i];
-                }
+            for (long i = g * size; i < (g + 1) * size; i++) { /* selects, not branches */
+                const float c = choice[i];
+                const int above = c > a;
+                b = above ? a : (c > b ? c : b);
+                a = above ? c : a;
             }
             group_score[g] = a + b;
         }
@@ -90,13 +85,17 @@ static void route(const float *logits, const float *bias, long e, long n_group, 
                 for (long i = g * size; i < (g + 1) * size; i++) choice[i] = -INFINITY;
     }
     float sum = 0.0f;
+    char taken[e]; /* an expert already chosen: one flag each, not a scan of the ids so far */
+    memset(taken, 0, e);
     for (long k = 0; k < top_k; k++) {
         long best = -1;
+        float top = 0.0f; /* choice[best] */
         for (long i = 0; i < e; i++) {
-            int taken = 0;
-            for (long j = 0; j < k; j++) taken |= ids[j] == i;
-            if (!taken && (best < 0 || choice[i] > choice[best])) best = i;
+            const int better = !taken[i] && (best < 0 || choice[i] > top);
+            best = better ? i : best;
+            top = better ? choice[i] : top;
         }
+        taken[best] = 1;
         ids[k] = best;
         weights[k] = scores[best];
         sum += weights[k];
@@ -107,11 +106,39 @@ static void route(const float *logits, const float *bias, long e, long n_group, 
     }
 }
 
+/* out [t, hidden] += the shared experts of x float32 [t, hidden] (rounded to bf16) on AMX
+ * tiles, from their packed weights: the routed experts' kernels, as an expert every token
+ * takes with weight 1 after its routed ones. The same float32 additions as the in-call path
+ * below (v * 1 is v), the shared outputs each rounded once to bf16 in AMX's order. */
+static void shared_on_amx(const float *x, long t, long hidden, const uint16_t *amx_gate_up,
+                          const uint16_t *amx_down, long inter, float *out) {
+    uint16_t *xb = alloc64(sizeof(uint16_t) * t * hidden), *act = alloc64(sizeof(uint16_t) * t * inter);
+    int64_t *tokens = malloc(sizeof(int64_t) * t);
+    float *ones = malloc(sizeof(float) * t);
+#pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)
+    for (long r = 0; r < t; r++) {
+        round_row(x + r * hidden, xb + r * hidden, hidden);
+        tokens[r] = r;
+        ones[r] = 1.0f;
+    }
+    const int64_t id = 0, start = 0, count = t;
+    const Sink act_rows = {act, inter, 0, 0, 0}, combine = {0, hidden, out, tokens, ones};
+    mci_amx_gated_experts_into(xb, hidden, amx_gate_up, act_rows, &id, &start, &count, 1,
+                               2 * inter, hidden);
+    mci_amx_experts_into(act, inter, amx_down, combine, &id, &start, &count, 1, hidden, inter);
+    free(xb);
+    free(act);
+    free(tokens);
+    free(ones);
+}
+
 /* The MoE block: x float32 [t, hidden] (rounded to bf16 for the experts, as MoE.forward
  * does), logits float32 [t, e] (the router's matmul), bias float32 [e]; w_gate_up
  * [e, 2 * inter, hidden], w_down [e, hidden, inter] (stacked, bf16 or FP8), and the same packed for
- * AMX (amx_gate_up, amx_down: cpu_amx.c) or NULL; the shared experts' w_s_gate_up
- * [2 * s_inter, hidden] and w_s_down [hidden, s_inter], or NULL. Experts with at most
+ * AMX (amx_gate_up with its gate and up rows interleaved 16 at a time, amx_down: cpu_amx.c,
+ * cpu_kernels.h) or NULL; the shared experts' w_s_gate_up
+ * [2 * s_inter, hidden] and w_s_down [hidden, s_inter], or NULL; or instead the same packed
+ * for AMX as one expert each (amx_s_gate_up interleaved, amx_s_down), or NULL. Experts with at most
  * max_rows tokens each run on the skinny kernels; busier ones on AMX where the weights are
  * packed for it, else on cpu_gemm.c's GEMM (bf16; FP8 weights take cpu_fp8.c's GEMM above
  * its own bound). Always writes each token's routing, weights [t, top_k] and ids [t, top_k].
@@ -122,8 +149,8 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
             long n_group, long topk_group, long top_k, int norm, float scaling, float *weights,
             int64_t *ids, const Weight *w_gate_up, const Weight *w_down,
             const uint16_t *amx_gate_up, const uint16_t *amx_down, long hidden, long inter,
-            const Weight *w_s_gate_up, const Weight *w_s_down, long s_inter, long max_rows,
-            float *out) {
+            const Weight *w_s_gate_up, const Weight *w_s_down, const uint16_t *amx_s_gate_up,
+            const uint16_t *amx_s_down, long s_inter, long max_rows, float *out) {
     /* a token's routing as ~16 elementwise steps per expert (its exp, the group and top-k
      * scans): 32 tokens of 32 experts split */
 #pragma omp parallel for schedule(static) if (t * e * 16 >= PARALLEL_ELEMENTS)
@@ -161,7 +188,7 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
     int64_t *tokens = malloc(sizeof(int64_t) * a_count);
     float *sorted_weights = malloc(sizeof(float) * a_count);
     uint16_t *xs = alloc64(sizeof(uint16_t) * a_count * hidden); /* tiles' rows: alloc64 */
-    uint16_t *gu = alloc64(sizeof(uint16_t) * a_count * 2 * inter);
+    uint16_t *gu = amx ? NULL : alloc64(sizeof(uint16_t) * a_count * 2 * inter);
     uint16_t *act = alloc64(sizeof(uint16_t) * a_count * inter);
     for (long a = 0; a < a_count; a++) {
         const long row = first[ids[a]]++;
@@ -177,10 +204,10 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
     const Sink rows = {gu, 2 * inter, 0, 0, 0};
     const Sink combine = {0, hidden, out, tokens, sorted_weights};
     memset(out, 0, sizeof(float) * t * hidden);
-    if (amx) {
-        mci_amx_experts_into(xs, hidden, amx_gate_up, rows, seg_ids, seg_starts, seg_counts,
-                             segments, 2 * inter, hidden);
-        silu_mul(gu, a_count, inter, act);
+    if (amx) { /* the activations straight from the tiles (gate and up packed interleaved) */
+        const Sink act_rows = {act, inter, 0, 0, 0};
+        mci_amx_gated_experts_into(xs, hidden, amx_gate_up, act_rows, seg_ids, seg_starts,
+                                   seg_counts, segments, 2 * inter, hidden);
         mci_amx_experts_into(act, inter, amx_down, combine, seg_ids, seg_starts, seg_counts,
                              segments, hidden, inter);
     } else {
@@ -198,6 +225,8 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
 #pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)
         for (long i = 0; i < t * hidden; i++) out[i] += bf16_to_float(shared[i]);
         free(xb);
+    } else if (amx_s_gate_up) { /* on AMX tiles, as one more expert of every token, last */
+        shared_on_amx(x, t, hidden, amx_s_gate_up, amx_s_down, s_inter, out);
     }
     free(tokens);
     free(sorted_weights);

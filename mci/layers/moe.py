@@ -151,7 +151,10 @@ class RoutedExperts(nn.Module):
         self.amx = None
         if kernels is None or not kernels.amx or not self.single_process:
             return
-        packed = [kernels.amx_pack(p.weight) for p in (self.gate_up_proj, self.down_proj)]
+        packed = [
+            kernels.amx_pack(self.gate_up_proj.weight, gated=True),
+            kernels.amx_pack(self.down_proj.weight),
+        ]
         if all(p is not None for p in packed):
             self.amx = (packed[0], packed[1])
 
@@ -267,7 +270,10 @@ class MoE(nn.Module):
     `expert_max_rows` tokens, busier ones (prefill chunks) on AMX tiles where the CPU has AMX,
     else on the AVX-512 build's GEMM (cpu_gemm.c; FP8 experts widened by cpu_fp8.c). The
     shared experts run inside the call at row counts their linears take the kernels with
-    (`Linear.skinny`: up to 64 rows, bf16 on AMX up to 512), below as usual at more. The AVX2
+    (`Linear.skinny`: up to 64 rows, bf16 on AMX up to 512); at more, bf16 on a CPU with AMX,
+    on the routed experts' AMX kernels as one more expert of every token (`shared_amx`, its
+    outputs within one bf16 rounding of oneDNN's: both are float32 sums of exact products,
+    in different orders); else below as usual. The AVX2
     build has no GEMM: a step with a busy expert falls back to the paths below, fed the
     routing the call computed.
 
@@ -295,9 +301,28 @@ class MoE(nn.Module):
             self.shared_experts = GatedMLP(
                 cfg.hidden_size, inter, dtype, fp8_block, shards=parallel.tp_size
             )
-        # the one-call kernels' bound calls (cpu_kernels.BoundMoE), by whether the shared
-        # experts run inside the call; made on first use, after the weights are packed
-        self._bound: dict[bool, cpu_kernels.BoundMoE] = {}
+        # the shared experts packed for the AMX expert kernels (gate_up, down), where they run
+        # (`pack_shared_for_cpu`): inside the one-call MoE at steps past their own linears'
+        # bound on the kernels
+        self.shared_amx: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the one-call kernels' bound calls (cpu_kernels.BoundMoE), by where the shared
+        # experts run inside the call ("kernels", "amx" or None: not inside); made on first
+        # use, after the weights are packed
+        self._bound: dict[str | None, cpu_kernels.BoundMoE] = {}
+
+    def pack_shared_for_cpu(self, kernels) -> None:
+        """With the CPU kernels (a `cpu_kernels.CpuKernels`, or None), keep AMX-packed copies
+        of the shared experts' weights where the AMX kernels run them (one more copy)."""
+        self.shared_amx, self._bound = None, {}
+        shared = self.shared_experts
+        if kernels is None or not kernels.amx or shared is None or self.parallel.world_size > 1:
+            return
+        packed = (
+            kernels.amx_pack(shared.gate_up_proj.weight[None], gated=True),
+            kernels.amx_pack(shared.down_proj.weight[None]),
+        )
+        if all(p is not None for p in packed):
+            self.shared_amx = (packed[0], packed[1])
 
     def bound_call(self, rows: int) -> tuple[cpu_kernels.BoundMoE, bool] | None:
         """The whole block as one call of the CPU kernels for `rows` float32 rows, its weights
@@ -312,19 +337,26 @@ class MoE(nn.Module):
         ):
             return None
         shared = self.shared_experts
-        in_call = shared is not None and all(
+        where = None
+        if shared is not None and all(
             p.skinny(rows) is not None for p in (shared.gate_up_proj, shared.down_proj)
-        )
-        bound = self._bound.get(in_call)
+        ):
+            where = "kernels"  # their linears' own kernels (in-place AMX up to their bound)
+        elif shared is not None and self.shared_amx is not None:
+            where = "amx"  # past that bound: the expert kernels, not oneDNN outside the call
+        bound = self._bound.get(where)
         if bound is None:  # the block's fixed arguments, converted once
-            bound = self._bound[in_call] = matvec.bind_moe(
+            bound = self._bound[where] = matvec.bind_moe(
                 self.gate,
                 (self.experts.gate_up_proj.kernel, self.experts.down_proj.kernel),
                 self.experts.amx,
-                (shared.gate_up_proj.kernel, shared.down_proj.kernel) if in_call else None,
+                (shared.gate_up_proj.kernel, shared.down_proj.kernel)
+                if where == "kernels"
+                else None,
                 matvec.expert_max_rows,
+                self.shared_amx if where == "amx" else None,
             )
-        return bound, in_call or shared is None
+        return bound, where is not None or shared is None
 
     def idle(self) -> None:
         """Take part in the token exchange with no tokens (data-parallel attention: a rank

@@ -107,6 +107,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                 module.use_kernels(kernels)
             if isinstance(module, RoutedExperts) and module.gate_up_proj.matvec is not None:
                 module.pack_for_cpu(kernels)
+            if isinstance(module, MoE):
+                module.pack_shared_for_cpu(kernels)
         return packed
 
     def warm_up_cpu_kernels(self, max_rows: int, max_logit_rows: int) -> int:
