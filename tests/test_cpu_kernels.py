@@ -13,7 +13,7 @@ from helpers import stepwise_logits
 
 from mci.kernels import build, cpu_decoder, cpu_kernels
 from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
-from mci.layers.linear import Linear, bf16_matmuls_supported
+from mci.layers.linear import BATCH_INVARIANT_ROWS, Linear, bf16_matmuls_supported, packed_linear
 from mci.layers.mlp import GatedMLP
 from mci.layers.moe import MoE
 from mci.models import deepseek_v3
@@ -783,32 +783,61 @@ def test_shared_experts_past_their_kernels_bound_run_inside_the_call_on_amx(chec
         assert torch.equal(later, inside[20:])  # a row's result, whatever the step
 
 
-class _Sink(ctypes.Structure):
-    """cpu_kernels.h's Sink, bf16 rows."""
-
-    _fields_ = [
-        ("y", ctypes.c_void_p),
-        ("ldy", ctypes.c_long),
-        ("acc", ctypes.c_void_p),
-        ("tok", ctypes.c_void_p),
-        ("wt", ctypes.c_void_p),
-    ]
-
-
 def _amx_experts_kernel(x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """x @ w^T through cpu_amx.c's expert kernel, which reads an `amx_pack`ed copy of w; with
     `gated`, w a gate_up weight, the SiLU-gated activations of it (its gated kernel)."""
     lib = ctypes.CDLL(str(build.built_library(matvec.isa)))  # the library `matvec` loaded
     run = lib.mci_amx_gated_experts_into if gated else lib.mci_amx_experts_into
-    run.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, _Sink]
+    run.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, cpu_kernels.Sink]
     run.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
     (m, k), n = x.shape, w.shape[0]
     width = n // 2 if gated else n
     packed, y = matvec.amx_pack(w[None], gated), torch.empty(m, width, dtype=torch.bfloat16)
     ids, starts, counts = torch.tensor([[0], [0], [m]])
     pointers = (ids.data_ptr(), starts.data_ptr(), counts.data_ptr())
-    run(x.data_ptr(), k, packed.data_ptr(), _Sink(y.data_ptr(), width), *pointers, 1, n, k)
+    sink = cpu_kernels.Sink(y.data_ptr(), width)
+    run(x.data_ptr(), k, packed.data_ptr(), sink, *pointers, 1, n, k)
     return y
+
+
+@pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")
+@pytest.mark.parametrize("k, n", [(512, 416), (256, 768), (128, 1024), (1536, 512)])
+def test_linears_past_their_kernel_rows_run_on_the_packed_amx_kernel(k, n):
+    """A bf16 linear of a weight up to AMX_PACKED_WEIGHT_BYTES, past its bound on the kernels
+    and up to AMX_PACKED_MAX_ROWS rows: on the AMX expert kernel from its packed copy, the
+    threads splitting the rows: the expert kernel's bits, within a bf16 step of the exact sum
+    and of oneDNN's result (nearly all equal), each row's result whatever the rows beside it
+    or the thread count; past AMX_PACKED_MAX_ROWS, and in batch invariance, oneDNN's."""
+    g = torch.Generator().manual_seed(k + n)
+    linear = Linear(k, (n,), torch.bfloat16)
+    linear.weight.data.copy_(torch.randn(n, k, generator=g).to(torch.bfloat16))
+    assert linear.pack_for_cpu()
+    assert linear.amx_packed is not None
+    rows = linear.kernel_rows + 150
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = linear(x)
+        ref = _reference(x, linear.weight)
+        step = ref.float().abs().clamp(min=1e-3) * 2.0**-7
+        assert ((out.float() - ref.float()).abs() <= step).all()
+        onednn = packed_linear(x, linear._packed[0], None)
+        assert ((out.float() - onednn.float()).abs() <= step).all()
+        assert (out == onednn).float().mean() > 0.999
+        assert torch.equal(out, _amx_experts_kernel(x, linear.weight))  # its bits
+        part = linear(x[7 : 7 + linear.kernel_rows + 40])
+        assert torch.equal(part, out[7 : 7 + linear.kernel_rows + 40])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            alone = linear(x)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(alone, out)
+        many = torch.randn(cpu_kernels.AMX_PACKED_MAX_ROWS + 1, k, generator=g).to(torch.bfloat16)
+        assert torch.equal(linear(many), packed_linear(many, linear._packed[0], None))
+        linear.set_batch_invariant(True)
+        fixed = linear(x)
+        assert torch.equal(fixed, packed_linear(x, linear._packed[0], BATCH_INVARIANT_ROWS))
 
 
 @pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")

@@ -64,9 +64,10 @@ def test_padded_rows_do_not_change_the_rows_kept():
 @needs_bf16_matmuls
 def test_kernel_warm_up_runs_every_bucketed_shape_once(checkpoint):
     """Every packed weight shape at every bucketed row count oneDNN takes (not the skinny
-    kernels'), the vocabulary head up to the logit rows, the absorbed attention's two
+    kernels', nor on AMX the packed copy's), the vocabulary head up to the logit rows, the absorbed attention's two
     per-head matmuls at every bucketed count, the grouped experts' two at every bucketed
     capacity up to their bound; and it leaves the model's outputs alone."""
+    from mci.kernels.cpu_kernels import AMX_PACKED_MAX_ROWS
     from mci.layers.linear import Linear, bucket_sizes
     from mci.layers.moe import RoutedExperts
 
@@ -83,10 +84,15 @@ def test_kernel_warm_up_runs_every_bucketed_shape_once(checkpoint):
     sizes = bucket_sizes(300)
     assert sizes[:17] == list(range(1, 17)) + [32] and sizes[-1] == 320
 
-    def onednn(layer, n):  # the row counts oneDNN takes for this layer
-        return [rows for rows in bucket_sizes(n) if layer.skinny(rows) is None]
+    def onednn(layer, n):  # the row counts oneDNN takes for this layer: not the kernels'
+        amx = layer.amx_packed is not None  # on AMX, up to AMX_PACKED_MAX_ROWS from a copy
+        return [
+            rows
+            for rows in bucket_sizes(n)
+            if layer.skinny(rows) is None and not (amx and rows <= AMX_PACKED_MAX_ROWS)
+        ]
 
-    most = 600  # past the kernels' most rows (64; on AMX up to 512)
+    most = AMX_PACKED_MAX_ROWS + 200  # past the kernels' most rows, on AMX too
     assert all(0 < len(onednn(layer, most)) < len(bucket_sizes(most)) for layer in first.values())
     capacities = bucket_sizes(RoutedExperts.GROUPED_MAX_ROWS)
     expected = len(onednn(head, 40)) + sum(len(onednn(layer, most)) for layer in first.values())

@@ -131,7 +131,8 @@ static inline void store_block(const Sink *s, long rows, long n0, const float *c
  * and running cpu_moe.c's silu_mul over them. */
 static inline void store_gated(const Sink *s, long rows, long f0, const float *c) {
     for (long r = 0; r < rows; r++) {
-        const __m256i g = round16(_mm512_load_ps(c + r * 32)), u = round16(_mm512_load_ps(c + r * 32 + 16));
+        const __m256i g = round16(_mm512_load_ps(c + r * 32));
+        const __m256i u = round16(_mm512_load_ps(c + r * 32 + 16));
         _mm256_storeu_si256((__m256i *)(s->y + r * s->ldy + f0), silu_mul16(g, u));
     }
 }
@@ -143,18 +144,24 @@ static inline void store_gated(const Sink *s, long rows, long f0, const float *c
 static inline void experts_into(const uint16_t *x, long ldx, const uint16_t *packed, Sink y,
                                 const int64_t *ids, const int64_t *starts,
                                 const int64_t *counts, long segments, long n, long k,
-                                int gated) {
+                                int gated, int by_rows) {
     const long kblocks = k / 32, pairs = n / 32;
 #pragma omp parallel
     {
         configure_tiles();
         const int id = omp_get_thread_num(), count = omp_get_num_threads();
-        const long p0 = pairs * id / count, p1 = pairs * (id + 1) / count;
+        /* each thread's share: output pairs of every block of rows, or (by_rows) every pair
+         * of its blocks of rows */
+        const long p0 = by_rows ? 0 : pairs * id / count;
+        const long p1 = by_rows ? pairs : pairs * (id + 1) / count;
         uint16_t *pad = aligned_alloc(64, 32 * k * sizeof(uint16_t));
         float c[32 * 32] __attribute__((aligned(64)));
         for (long s = 0; s < segments; s++) {
             const uint16_t *wp = packed + ids[s] * n * k;
-            for (long r0 = 0; r0 < counts[s]; r0 += 32) {
+            const long blocks = (counts[s] + 31) / 32;
+            const long b0 = by_rows ? blocks * id / count : 0;
+            const long b1 = by_rows ? blocks * (id + 1) / count : blocks;
+            for (long r0 = 32 * b0; r0 < counts[s] && r0 < 32 * b1; r0 += 32) {
                 const long rows = counts[s] - r0 < 32 ? counts[s] - r0 : 32;
                 /* a last block of 16 rows or fewer runs on half the tiles: the same sums for
                  * its rows (each row's sum never depends on the others), half the work */
@@ -193,7 +200,16 @@ static inline void experts_into(const uint16_t *x, long ldx, const uint16_t *pac
 void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, Sink y,
                           const int64_t *ids, const int64_t *starts, const int64_t *counts,
                           long segments, long n, long k) {
-    experts_into(x, ldx, packed, y, ids, starts, counts, segments, n, k, 0);
+    experts_into(x, ldx, packed, y, ids, starts, counts, segments, n, k, 0, 0);
+}
+
+/* (cpu_kernels.h) One weight, every row: the threads split the blocks of rows, each reading
+ * only its own rows of x and the whole weight (a few hundred KB: in its L2), not every row
+ * for half the outputs. */
+void mci_amx_packed_linear(const uint16_t *x, long ldx, const uint16_t *packed, Sink y, long m,
+                           long n, long k, int gated) {
+    const int64_t id = 0, start = 0, count = m;
+    experts_into(x, ldx, packed, y, &id, &start, &count, 1, n, k, gated, 1);
 }
 
 /* (cpu_kernels.h) The activations straight from the tiles: no [rows, 2 inter] output written
@@ -201,7 +217,7 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
 void mci_amx_gated_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, Sink y,
                                 const int64_t *ids, const int64_t *starts,
                                 const int64_t *counts, long segments, long n, long k) {
-    experts_into(x, ldx, packed, y, ids, starts, counts, segments, n, k, 1);
+    experts_into(x, ldx, packed, y, ids, starts, counts, segments, n, k, 1, 0);
 }
 
 /* ---- Decode-sized matmuls, the weight read in place ------------------------------------------

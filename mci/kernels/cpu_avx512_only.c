@@ -44,6 +44,12 @@ void mci_amx_gated_experts_into(const uint16_t *x, long ldx, const uint16_t *pac
     abort();
 }
 
+void mci_amx_packed_linear(const uint16_t *x, long ldx, const uint16_t *packed, Sink y, long m,
+                           long n, long k, int gated) {
+    (void)x, (void)ldx, (void)packed, (void)y, (void)m, (void)n, (void)k, (void)gated;
+    abort();
+}
+
 void mci_amx_rows_range(const uint16_t *x, long ldx, const uint16_t *w, long k, Sink y, long m,
                         long n0, long n1) {
     (void)x, (void)ldx, (void)w, (void)k, (void)y, (void)m, (void)n0, (void)n1;

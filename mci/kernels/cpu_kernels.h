@@ -305,6 +305,13 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
                           const int64_t *ids, const int64_t *starts, const int64_t *counts,
                           long segments, long n, long k);
 
+/* x [m, k] (row stride ldx) through one packed weight [1, n, k] (mci_amx_pack) into the sink:
+ * mci_amx_experts_into's sums for one segment of every row (with `gated`, a gate_up weight
+ * packed interleaved: mci_amx_gated_experts_into's activations), the threads splitting the
+ * rows (cpu_amx.c). n and k multiples of 32. */
+void mci_amx_packed_linear(const uint16_t *x, long ldx, const uint16_t *packed, Sink y, long m,
+                           long n, long k, int gated);
+
 /* The same for a gate_up weight [experts, 2 inter, k] packed with its gate and up rows
  * interleaved 16 at a time (gate rows 16 j.., then up rows 16 j.., for each j), into y's bf16
  * rows [*, inter] as their SiLU-gated activations (silu_mul16), n = 2 inter. cpu_amx.c. */

@@ -82,6 +82,22 @@ AMX_MAX_ROWS = 512
 # decode sizes' 64, so its one-call decode steps (every linear of a layer on the kernels) keep
 # their old bound.
 AMX_PACKED_X_BYTES = 1 << 20
+# Past a bf16 linear's bound on the kernels (`linear_max_rows`), a weight of at most this many
+# bytes runs on the routed experts' AMX kernel from a packed copy (`amx_linear_weight`,
+# `amx_packed_linear`: one segment of every row; each thread's share of the weight stays in
+# its L2 while the rows stream through in blocks of 32) instead of oneDNN. Measured on a 2-core
+# Xeon with AMX-BF16, `small`'s weights (median us a call, oneDNN -> AMX) at 600 / 1,056 rows:
+# fused_qkv_a 416 x 512 248 / 254 -> 100 / 174, q_b 768 x 256 153 / 242 -> 106 / 178, kv_b
+# 1,024 x 128 148 / 272 -> 97 / 172, o_proj 512 x 512 296 / 298 -> 135 / 217, the dense
+# MLP's down 512 x 1,536 747 / 1,251 -> 347 / 556; but its gate_up (3,072 x 512, 3 MB) 804 /
+# 1,226 -> 766 / 1,310 and the LM head (8 MB) 1,811 / 3,011 -> 3,073 / 5,045: past L2, each
+# block of rows reads the weight again. Outputs equal to oneDNN's in every case measured but
+# one (the gate_up at 600 rows, which this bound leaves on oneDNN).
+AMX_PACKED_WEIGHT_BYTES = 2 << 20
+# ... up to this many rows: past it oneDNN is level or faster (the four attention weights
+# above, each thread taking its own blocks of rows: 1,536 rows 203-293 -> 193-281 us, 2,048
+# rows 252-366 -> 262-368 us).
+AMX_PACKED_MAX_ROWS = 1536
 # Routed experts gain up to more rows per expert: the kernels read only the active experts'
 # weights in two calls, where oneDNN loops or runs a batched matmul over every expert
 # (measured on the `small` model's MoE layer: 0.9 vs 1.5 ms at 16 tokens, up to 5 per expert;
@@ -145,6 +161,19 @@ def _pairs_aligned(x: torch.Tensor) -> torch.Tensor:
     if x.stride(-1) == 1 and x.data_ptr() % 4 == 0 and not any(s % 2 for s in x.stride()[:-1]):
         return x
     return x.clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
+
+
+class Sink(ctypes.Structure):
+    """cpu_kernels.h's Sink: bf16 rows y [*, ldy] (acc, tok and wt NULL), or the weighted
+    per-token float32 sum (y NULL)."""
+
+    _fields_ = [
+        ("y", ctypes.c_void_p),
+        ("ldy", ctypes.c_long),
+        ("acc", ctypes.c_void_p),
+        ("tok", ctypes.c_void_p),
+        ("wt", ctypes.c_void_p),
+    ]
 
 
 class _Weight(ctypes.Structure):
@@ -274,6 +303,9 @@ class CpuKernels:
         self._experts = lib.mci_expert_linear
         self._experts.argtypes = [ptr, long, ptr, ptr, long, ptr, ptr, ptr, long, long, long, long]
         self._experts.restype = None
+        self._amx_linear = lib.mci_amx_packed_linear
+        self._amx_linear.argtypes = [ptr, long, ptr, Sink, long, long, long, ctypes.c_int]
+        self._amx_linear.restype = None
         self._combine = lib.mci_expert_linear_combine
         self._combine.argtypes = [ptr, long, ptr, ptr, ptr, ptr, ptr, ptr, ptr, long, long, long,
                                   long]  # fmt: skip
@@ -783,6 +815,28 @@ class CpuKernels:
         out = torch.empty_like(weight)
         self._amx_pack(weight.data_ptr(), e, n, k, out.data_ptr())
         return out
+
+    def amx_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A bf16 weight [n, k] `amx_pack`ed for `amx_packed_linear` where that runs it past its
+        bound on the kernels (AMX, n and k multiples of 32, at most AMX_PACKED_WEIGHT_BYTES),
+        else None."""
+        if weight.dim() != 2 or weight.numel() * 2 > AMX_PACKED_WEIGHT_BYTES:
+            return None
+        return self.amx_pack(weight[None])
+
+    def amx_packed_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """x [m, k] bf16 (unit element stride) @ weight^T, from `amx_linear_weight`'s packed
+        copy, on the experts' AMX kernel (cpu_amx.c): each output a float32 sum of exact
+        products in AMX's order, rounded once to bf16 (below float32's normal range: zero);
+        a row's result never depends on the other rows. -> [m, n] bf16."""
+        m, k = x.shape
+        n = packed.shape[1]
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        sink = Sink(y.data_ptr(), n, None, None, None)
+        self._amx_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), sink, m, n, k, 0)
+        return y
 
     def bind_moe(
         self,

@@ -107,12 +107,14 @@ static void route(const float *logits, const float *bias, long e, long n_group, 
 }
 
 /* out [t, hidden] += the shared experts of x float32 [t, hidden] (rounded to bf16) on AMX
- * tiles, from their packed weights: the routed experts' kernels, as an expert every token
- * takes with weight 1 after its routed ones. The same float32 additions as the in-call path
- * below (v * 1 is v), the shared outputs each rounded once to bf16 in AMX's order. */
+ * tiles, from their packed weights: the routed experts' kernel (the threads splitting the
+ * rows), as an expert every token takes with weight 1 after its routed ones. The same float32
+ * additions as the in-call path below (v * 1 is v), the shared outputs each rounded once to
+ * bf16 in AMX's order. */
 static void shared_on_amx(const float *x, long t, long hidden, const uint16_t *amx_gate_up,
                           const uint16_t *amx_down, long inter, float *out) {
-    uint16_t *xb = alloc64(sizeof(uint16_t) * t * hidden), *act = alloc64(sizeof(uint16_t) * t * inter);
+    uint16_t *xb = alloc64(sizeof(uint16_t) * t * hidden);
+    uint16_t *act = alloc64(sizeof(uint16_t) * t * inter);
     int64_t *tokens = malloc(sizeof(int64_t) * t);
     float *ones = malloc(sizeof(float) * t);
 #pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)
@@ -121,11 +123,9 @@ static void shared_on_amx(const float *x, long t, long hidden, const uint16_t *a
         tokens[r] = r;
         ones[r] = 1.0f;
     }
-    const int64_t id = 0, start = 0, count = t;
     const Sink act_rows = {act, inter, 0, 0, 0}, combine = {0, hidden, out, tokens, ones};
-    mci_amx_gated_experts_into(xb, hidden, amx_gate_up, act_rows, &id, &start, &count, 1,
-                               2 * inter, hidden);
-    mci_amx_experts_into(act, inter, amx_down, combine, &id, &start, &count, 1, hidden, inter);
+    mci_amx_packed_linear(xb, hidden, amx_gate_up, act_rows, t, 2 * inter, hidden, 1);
+    mci_amx_packed_linear(act, inter, amx_down, combine, t, hidden, inter, 0);
     free(xb);
     free(act);
     free(tokens);

@@ -25,6 +25,14 @@ every call, which halves its speed at decode sizes; the packed matmul gives bitw
 result at the sizes tested (a few dozen rows; with more rows the two may pick kernels that sum
 in another order). float32 and float16 stay on aten, whose kernels sum in another order.
 
+With the CPU kernels, a bf16 call of a few rows runs on them instead (`skinny`: up to
+`kernel_rows`, on AMX tiles from 2 rows where the CPU has AMX), and on AMX a call past that
+bound, up to 1,536 rows, runs on their AMX expert kernel from one more packed copy of a
+weight of up to 2 MB (`amx_packed`; cpu_kernels.py's AMX_PACKED_WEIGHT_BYTES and
+AMX_PACKED_MAX_ROWS), not oneDNN: faster there, and each
+row's result the same whatever the other rows of the call (within one bf16 rounding of
+oneDNN's, equal at the sizes measured). Batch invariance keeps oneDNN (below).
+
 On a CPU without bf16 matmul instructions (no AVX-512 BF16/BW, no AVX-NE-CONVERT: oneDNN
 cannot pack bf16 there), torch's bf16 matmul falls back to a slow generic loop: measured on an
 AVX2 AMD EPYC, a 2,048^2 bf16 matmul ran at 1.2 GFLOP/s against 135 in float32, and a
@@ -207,6 +215,9 @@ class Linear(nn.Module):
         self.kernel_rows = 0  # most rows of a call on them (`linear_max_rows`, set with them)
         self.fixed_rows: int | None = None  # rows per call, for batch invariance (see above)
         self.widened: torch.Tensor | None = None  # float32 copy of a bf16 weight (see above)
+        # bf16 on AMX: a copy packed for the kernels' AMX expert kernel, which runs the calls
+        # past `kernel_rows` (`CpuKernels.amx_linear_weight`; None where oneDNN keeps them)
+        self.amx_packed: torch.Tensor | None = None
         if fp8_block is None:
             return
         bo, bi = fp8_block
@@ -248,6 +259,7 @@ class Linear(nn.Module):
         if w.device.type != "cpu":
             return False
         kernels = cpu_kernels.load() if skinny_kernels else None
+        self.amx_packed = None
         if self.block is not None:
             self.matvec = self.kernel = None
             if kernels is None or not kernels.fp8 or self.block != (128, 128):
@@ -270,6 +282,7 @@ class Linear(nn.Module):
         if self.kernel is not None:  # AMX where it runs, but one kernel in batch invariance
             self.kernel.set_amx_rows(0 if self.fixed_rows is not None else kernels.amx_rows)
             self.kernel_rows = kernels.linear_max_rows(self.in_features, False)
+            self.amx_packed = kernels.amx_linear_weight(w)
         return True
 
     def matmul_weight(self) -> torch.Tensor:
@@ -287,6 +300,8 @@ class Linear(nn.Module):
             return 0
         sizes = [self.fixed_rows] if self.fixed_rows is not None else bucket_sizes(max_rows)
         sizes = [rows for rows in sizes if self.skinny(rows) is None]
+        if self._amx_past_kernels():  # oneDNN runs only the calls of more rows
+            sizes = [rows for rows in sizes if rows > cpu_kernels.AMX_PACKED_MAX_ROWS]
         for rows in sizes:
             packed_linear(self.weight.new_zeros(rows, self.in_features), self._packed[0], None)
         return len(sizes)
@@ -311,6 +326,11 @@ class Linear(nn.Module):
         limit = matvec.expert_max_rows if expert_rows else self.kernel_rows
         return matvec if rows <= limit else None
 
+    def _amx_past_kernels(self) -> bool:
+        """Whether calls past `kernel_rows` run on the AMX expert kernel (`amx_packed`), not
+        oneDNN: not in batch invariance, which keeps oneDNN's one kernel."""
+        return self.amx_packed is not None and self.fixed_rows is None
+
     def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
         if self.kernel is not None and x.dtype == torch.bfloat16 and not x.requires_grad:
             rows = x.numel() // x.shape[-1]
@@ -318,6 +338,13 @@ class Linear(nn.Module):
             matvec = self.matvec if self.kernel.fp8 else self.skinny(rows)
             if matvec is not None:
                 out = matvec.linear(x.reshape(rows, x.shape[-1]), self.kernel, expert)
+                return out.view(x.shape[:-1] + out.shape[-1:])
+            if (
+                expert is None
+                and self._amx_past_kernels()
+                and rows <= cpu_kernels.AMX_PACKED_MAX_ROWS
+            ):
+                out = self.matvec.amx_packed_linear(x.reshape(rows, x.shape[-1]), self.amx_packed)
                 return out.view(x.shape[:-1] + out.shape[-1:])
         widen = self.widened is not None and x.numel() >= WIDENED_MIN_ROWS * x.shape[-1]
         if widen and x.dtype == self.weight.dtype and not x.requires_grad:
