@@ -811,8 +811,8 @@ def test_linears_past_their_kernel_rows_run_on_the_packed_amx_kernel(k, n):
     g = torch.Generator().manual_seed(k + n)
     linear = Linear(k, (n,), torch.bfloat16)
     linear.weight.data.copy_(torch.randn(n, k, generator=g).to(torch.bfloat16))
-    assert linear.pack_for_cpu()
-    assert linear.amx_packed is not None
+    packed = linear.pack_for_cpu()
+    assert packed and linear.amx_packed is not None
     rows = linear.kernel_rows + 150
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
     with torch.inference_mode():
@@ -858,6 +858,14 @@ def test_gated_amx_experts_give_the_silu_gated_product_of_the_plain_kernels_outp
     assert ((got.float() - want.float()).abs() <= step).all()
     for rows in (40, 17, 16, 3):  # whole blocks, 32-row and 16-row tails
         assert torch.equal(_amx_experts_kernel(x[:rows], w, gated=True), got[:rows])
+    # bit for bit cpu_moe.c's silu_mul of the plain outputs, seen through the gated MLP in one
+    # call (its linears on the in-place AMX matmul: the expert kernel's sums), then down
+    down = torch.randn(k, inter, generator=g).to(torch.bfloat16)  # back to the input width
+    gate_up_weight, down_weight = cpu_kernels.KernelWeight(w), cpu_kernels.KernelWeight(down)
+    gate_up_weight.set_amx_rows(2)
+    down_weight.set_amx_rows(2)
+    whole = matvec.gated_mlp(x, gate_up_weight, down_weight)
+    assert torch.equal(whole, _amx_experts_kernel(got, down))
 
 
 @pytest.mark.skipif(matvec is None or not matvec.amx, reason="no AMX")

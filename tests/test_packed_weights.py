@@ -64,9 +64,10 @@ def test_padded_rows_do_not_change_the_rows_kept():
 @needs_bf16_matmuls
 def test_kernel_warm_up_runs_every_bucketed_shape_once(checkpoint):
     """Every packed weight shape at every bucketed row count oneDNN takes (not the skinny
-    kernels', nor on AMX the packed copy's), the vocabulary head up to the logit rows, the absorbed attention's two
-    per-head matmuls at every bucketed count, the grouped experts' two at every bucketed
-    capacity up to their bound; and it leaves the model's outputs alone."""
+    kernels', nor on AMX the packed copy's), the vocabulary head up to the logit rows, the
+    absorbed attention's two per-head matmuls at every bucketed count, the grouped experts'
+    two at every bucketed capacity up to their bound; and it leaves the model's outputs
+    alone."""
     from mci.kernels.cpu_kernels import AMX_PACKED_MAX_ROWS
     from mci.layers.linear import Linear, bucket_sizes
     from mci.layers.moe import RoutedExperts

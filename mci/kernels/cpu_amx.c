@@ -15,7 +15,11 @@
  * 16 pairs per tile step), rounded once to bf16: within one bf16 ulp of the other paths,
  * as the grouped batched matmul this replaces is. Results go through the same sinks as
  * cpu_matvec.c's (bf16 rows, or the weighted per-token float32 sum of the MoE), threads
- * owning disjoint output features, so the sum's order over rows is the rows' order. */
+ * owning disjoint output features, so the sum's order over rows is the rows' order; or
+ * (mci_amx_packed_linear, one weight) disjoint blocks of rows, which a weighted sum allows
+ * only where no two rows add into the same token's sum (the shared experts: row r, token r).
+ * Either way each output element is computed whole by one thread, so its bits never depend
+ * on the split. */
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>

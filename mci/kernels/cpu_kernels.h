@@ -308,7 +308,8 @@ void mci_amx_experts_into(const uint16_t *x, long ldx, const uint16_t *packed, S
 /* x [m, k] (row stride ldx) through one packed weight [1, n, k] (mci_amx_pack) into the sink:
  * mci_amx_experts_into's sums for one segment of every row (with `gated`, a gate_up weight
  * packed interleaved: mci_amx_gated_experts_into's activations), the threads splitting the
- * rows (cpu_amx.c). n and k multiples of 32. */
+ * rows (cpu_amx.c): a weighted-sum sink must give every row its own token. n and k multiples
+ * of 32. */
 void mci_amx_packed_linear(const uint16_t *x, long ldx, const uint16_t *packed, Sink y, long m,
                            long n, long k, int gated);
 

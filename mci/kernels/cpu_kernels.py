@@ -32,7 +32,9 @@ sequence alone: P rounded to bf16 before P V; a sequence's bits never depend on 
 Results match oneDNN's packed bf16 matmul (float32 sums of exact bf16 products, rounded once
 to nearest even; measured equal on all but a few elements in 10,000, by one bf16 ulp), and a
 row's result never depends on the other rows of the call (see the C file), as long as the call
-stays on one side of `amx_rows`.
+stays on one side of `amx_rows`, of the linear's `kernel_rows` (the in-place AMX matmul below,
+the packed AMX expert kernel above: the same sums but for results below float32's normal
+range, which the expert kernel flushes to zero) and of AMX_PACKED_MAX_ROWS (oneDNN above).
 """
 
 from __future__ import annotations

@@ -106,27 +106,23 @@ static void route(const float *logits, const float *bias, long e, long n_group, 
     }
 }
 
-/* out [t, hidden] += the shared experts of x float32 [t, hidden] (rounded to bf16) on AMX
- * tiles, from their packed weights: the routed experts' kernel (the threads splitting the
- * rows), as an expert every token takes with weight 1 after its routed ones. The same float32
+/* out [t, hidden] += the shared experts of xb [t, hidden] (x rounded to bf16) on AMX tiles,
+ * from their packed weights: the routed experts' kernel (the threads splitting the rows), as
+ * an expert every token takes with weight 1 after its routed ones. The same float32
  * additions as the in-call path below (v * 1 is v), the shared outputs each rounded once to
  * bf16 in AMX's order. */
-static void shared_on_amx(const float *x, long t, long hidden, const uint16_t *amx_gate_up,
+static void shared_on_amx(const uint16_t *xb, long t, long hidden, const uint16_t *amx_gate_up,
                           const uint16_t *amx_down, long inter, float *out) {
-    uint16_t *xb = alloc64(sizeof(uint16_t) * t * hidden);
     uint16_t *act = alloc64(sizeof(uint16_t) * t * inter);
     int64_t *tokens = malloc(sizeof(int64_t) * t);
     float *ones = malloc(sizeof(float) * t);
-#pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)
     for (long r = 0; r < t; r++) {
-        round_row(x + r * hidden, xb + r * hidden, hidden);
         tokens[r] = r;
         ones[r] = 1.0f;
     }
     const Sink act_rows = {act, inter, 0, 0, 0}, combine = {0, hidden, out, tokens, ones};
     mci_amx_packed_linear(xb, hidden, amx_gate_up, act_rows, t, 2 * inter, hidden, 1);
     mci_amx_packed_linear(act, inter, amx_down, combine, t, hidden, inter, 0);
-    free(xb);
     free(act);
     free(tokens);
     free(ones);
@@ -217,16 +213,18 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
         mci_experts_into(act, inter, w_down, combine, seg_ids, seg_starts, seg_counts,
                          segments, hidden, inter, max_rows);
     }
-    if (w_s_gate_up) { /* out + shared: float32 + bf16, as MoE.forward adds them */
-        uint16_t *xb = malloc(sizeof(uint16_t) * 2 * t * hidden), *shared = xb + t * hidden;
+    if (w_s_gate_up || amx_s_gate_up) { /* the shared experts of x rounded to bf16 */
+        uint16_t *xb = alloc64(sizeof(uint16_t) * 2 * t * hidden), *shared = xb + t * hidden;
 #pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)
         for (long r = 0; r < t; r++) round_row(x + r * hidden, xb + r * hidden, hidden);
-        mci_gated_mlp(xb, hidden, w_s_gate_up, w_s_down, t, hidden, s_inter, shared);
+        if (w_s_gate_up) { /* out + shared: float32 + bf16, as MoE.forward adds them */
+            mci_gated_mlp(xb, hidden, w_s_gate_up, w_s_down, t, hidden, s_inter, shared);
 #pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)
-        for (long i = 0; i < t * hidden; i++) out[i] += bf16_to_float(shared[i]);
+            for (long i = 0; i < t * hidden; i++) out[i] += bf16_to_float(shared[i]);
+        } else { /* on AMX tiles, as one more expert of every token, last */
+            shared_on_amx(xb, t, hidden, amx_s_gate_up, amx_s_down, s_inter, out);
+        }
         free(xb);
-    } else if (amx_s_gate_up) { /* on AMX tiles, as one more expert of every token, last */
-        shared_on_amx(x, t, hidden, amx_s_gate_up, amx_s_down, s_inter, out);
     }
     free(tokens);
     free(sorted_weights);

@@ -270,10 +270,11 @@ class MoE(nn.Module):
     `expert_max_rows` tokens, busier ones (prefill chunks) on AMX tiles where the CPU has AMX,
     else on the AVX-512 build's GEMM (cpu_gemm.c; FP8 experts widened by cpu_fp8.c). The
     shared experts run inside the call at row counts their linears take the kernels with
-    (`Linear.skinny`: up to 64 rows, bf16 on AMX up to 512); at more, bf16 on a CPU with AMX,
-    on the routed experts' AMX kernels as one more expert of every token (`shared_amx`, its
-    outputs within one bf16 rounding of oneDNN's: both are float32 sums of exact products,
-    in different orders); else below as usual. The AVX2
+    (`Linear.skinny`: up to 64 rows, bf16 on AMX up to 512); past that, bf16 weights of up to
+    AMX_PACKED_WEIGHT_BYTES on a CPU with AMX, on the routed experts' AMX kernel as one more
+    expert of every token (`shared_amx`: the sums the shared linears' own packed AMX path
+    gives, added in the call; at any row count: measured level with oneDNN at 2,048 rows and
+    faster at 4,096, unlike a lone linear); else below as usual. The AVX2
     build has no GEMM: a step with a busy expert falls back to the paths below, fed the
     routing the call computed.
 
@@ -311,18 +312,23 @@ class MoE(nn.Module):
         self._bound: dict[str | None, cpu_kernels.BoundMoE] = {}
 
     def pack_shared_for_cpu(self, kernels) -> None:
-        """With the CPU kernels (a `cpu_kernels.CpuKernels`, or None), keep AMX-packed copies
-        of the shared experts' weights where the AMX kernels run them (one more copy)."""
+        """After the model's linears and experts are packed (`pack_for_cpu`), with the CPU
+        kernels (a `cpu_kernels.CpuKernels`, or None): where the shared experts' linears run
+        past their kernel rows on AMX (`Linear.amx_packed`), their gate_up packed again with
+        gate and up interleaved for the call (in place of its plain packed copy, which the
+        call then makes unused; the down projection's is shared). Clears the bound calls,
+        which hold the packed weights they were made with."""
         self.shared_amx, self._bound = None, {}
         shared = self.shared_experts
-        if kernels is None or not kernels.amx or shared is None or self.parallel.world_size > 1:
+        if kernels is None or shared is None or self.parallel.world_size > 1:
             return
-        packed = (
-            kernels.amx_pack(shared.gate_up_proj.weight[None], gated=True),
-            kernels.amx_pack(shared.down_proj.weight[None]),
-        )
-        if all(p is not None for p in packed):
-            self.shared_amx = (packed[0], packed[1])
+        gate_up, down = shared.gate_up_proj, shared.down_proj
+        if gate_up.amx_packed is None or down.amx_packed is None:
+            return
+        gated = kernels.amx_pack(gate_up.weight[None], gated=True)
+        if gated is not None:
+            self.shared_amx = (gated, down.amx_packed)
+            gate_up.amx_packed = None
 
     def bound_call(self, rows: int) -> tuple[cpu_kernels.BoundMoE, bool] | None:
         """The whole block as one call of the CPU kernels for `rows` float32 rows, its weights
@@ -343,7 +349,7 @@ class MoE(nn.Module):
         ):
             where = "kernels"  # their linears' own kernels (in-place AMX up to their bound)
         elif shared is not None and self.shared_amx is not None:
-            where = "amx"  # past that bound: the expert kernels, not oneDNN outside the call
+            where = "amx"  # past that bound: the expert kernel, not after the call
         bound = self._bound.get(where)
         if bound is None:  # the block's fixed arguments, converted once
             bound = self._bound[where] = matvec.bind_moe(

@@ -107,6 +107,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 module.use_kernels(kernels)
             if isinstance(module, RoutedExperts) and module.gate_up_proj.matvec is not None:
                 module.pack_for_cpu(kernels)
+        for module in self.modules():  # once every weight is packed
             if isinstance(module, MoE):
                 module.pack_shared_for_cpu(kernels)
         return packed
