@@ -86,15 +86,16 @@ AMX_MAX_ROWS = 512
 AMX_PACKED_X_BYTES = 1 << 20
 # Past a bf16 linear's bound on the kernels (`linear_max_rows`), a weight of at most this many
 # bytes runs on the routed experts' AMX kernel from a packed copy (`amx_linear_weight`,
-# `amx_packed_linear`: one segment of every row; each thread's share of the weight stays in
-# its L2 while the rows stream through in blocks of 32) instead of oneDNN. Measured on a 2-core
-# Xeon with AMX-BF16, `small`'s weights (median us a call, oneDNN -> AMX) at 600 / 1,056 rows:
-# fused_qkv_a 416 x 512 248 / 254 -> 100 / 174, q_b 768 x 256 153 / 242 -> 106 / 178, kv_b
-# 1,024 x 128 148 / 272 -> 97 / 172, o_proj 512 x 512 296 / 298 -> 135 / 217, the dense
-# MLP's down 512 x 1,536 747 / 1,251 -> 347 / 556; but its gate_up (3,072 x 512, 3 MB) 804 /
-# 1,226 -> 766 / 1,310 and the LM head (8 MB) 1,811 / 3,011 -> 3,073 / 5,045: past L2, each
-# block of rows reads the weight again. Outputs equal to oneDNN's in every case measured but
-# one (the gate_up at 600 rows, which this bound leaves on oneDNN).
+# `amx_packed_linear`: one segment of every row, each thread taking its own blocks of 32 rows
+# through the whole weight, which stays in its L2) instead of oneDNN. Measured on a 2-core
+# Xeon with AMX-BF16, `small`'s weights, each of 8 layers' in turn (median us a call, oneDNN
+# -> AMX) at 600 / 1,056 rows: fused_qkv_a 416 x 512 241 / 240 -> 110 / 156, q_b 768 x 256
+# 148 / 225 -> 87 / 152, kv_b 1,024 x 128 145 / 250 -> 74 / 120, o_proj 512 x 512 289 / 290
+# -> 129 / 197. Past L2 the kernel reads the weight again for every block of rows and loses
+# (the kernel's first form, the threads splitting the columns, one weight hot: the dense MLP's
+# gate_up, 3 MB, 1,226 -> 1,310 us at 1,056 rows; the LM head, 8 MB, 3,011 -> 5,045). Outputs
+# equal to oneDNN's in every case measured but one (that gate_up at 600 rows, which this bound
+# leaves on oneDNN).
 AMX_PACKED_WEIGHT_BYTES = 2 << 20
 # ... up to this many rows: past it oneDNN is level or faster (the four attention weights
 # above, each thread taking its own blocks of rows: 1,536 rows 203-293 -> 193-281 us, 2,048
