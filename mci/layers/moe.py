@@ -274,9 +274,9 @@ class MoE(nn.Module):
     AMX_PACKED_WEIGHT_BYTES on a CPU with AMX, on the routed experts' AMX kernel as one more
     expert of every token (`shared_amx`: the sums the shared linears' own packed AMX path
     gives, added in the call; at any row count: measured level with oneDNN at 2,048 rows and
-    faster at 4,096, unlike a lone linear); else below as usual. The AVX2
-    build has no GEMM: a step with a busy expert falls back to the paths below, fed the
-    routing the call computed.
+    faster at 4,096, unlike a lone linear); else below as usual. The AVX2 build has no GEMM:
+    a step with a busy expert falls back to the paths below, fed the routing the call
+    computed.
 
     Takes its input in float32 (the decoder layer's norm skips rounding it): routing is a
     discrete choice, and near-ties between experts flip on the rounding of the router's input,
