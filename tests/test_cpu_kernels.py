@@ -64,6 +64,24 @@ def _lane_order_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return acc[..., 0].to(torch.bfloat16)
 
 
+@pytest.mark.skipif(matvec is None or matvec.isa != "avx512", reason="the AVX-512 build")
+def test_the_vendor_tuned_build_gives_the_untuned_builds_bits():
+    """The build this CPU's vendor gets (Intel: the matvec prefetches 4 KB ahead on its
+    address-ordered passes) sums exactly as the plain build (AMD's) does, at the row counts
+    of both passes (one row; several rows' first pass) and at k with and without a tail."""
+    plain = cpu_kernels.CpuKernels(
+        ctypes.CDLL(str(build.built_library("avx512", tuned=False))), "avx512", False, False
+    )
+    assert "-DSTREAM_AHEAD=4096" in build.tuned_flags("avx512") or (
+        "GenuineIntel" not in build.cpu_flags()
+    )
+    g = torch.Generator().manual_seed(11)
+    for m, n, k in [(1, 416, 512), (1, 8192, 512), (1, 768, 256), (3, 300, 200), (8, 520, 512)]:
+        x = torch.randn(m, k, generator=g).bfloat16()
+        w = torch.randn(n, k, generator=g).bfloat16()
+        assert torch.equal(matvec.linear(x, w), plain.linear(x, w)), (m, n, k)
+
+
 @pytest.mark.parametrize(
     "k, n", [(512, 64), (100, 37), (33, 9), (512, 1100), (256, 1050), (33000, 9)]
 )
