@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from mci.process_tuning import THP_ENABLED
+from mci.process_tuning import ENGINE_SPIN_COUNT, THP_ENABLED, engine_environment
 
 # Allocations of growing size, each touched then freed, as a forward pass's activations grow
 # with a step's token count. glibc by default maps each one that exceeds its adaptive
@@ -85,3 +86,34 @@ def test_weights_are_asked_onto_huge_pages_before_their_first_write():
     assert 12 << 20 <= int(asked) <= 16 << 20, asked  # whole 2 MB pages inside the storage
     assert int(huge) >= 8 << 20, (asked, huge)  # Linux may leave some pages small
     assert intact == "True"
+
+
+def _child_env(name: str) -> str:
+    """`name` in the environment of a child process started now."""
+    code = f"import os; print(os.environ.get({name!r}, '-'))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+
+
+def test_an_engine_process_starts_with_a_short_spin_count_and_the_caller_keeps_its_own(
+    monkeypatch,
+):
+    """Inside `engine_environment` a started process gets GOMP_SPINCOUNT; after it, neither
+    this process nor later children have it."""
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with engine_environment() as added:
+        assert added == {"GOMP_SPINCOUNT": ENGINE_SPIN_COUNT}
+        assert _child_env("GOMP_SPINCOUNT").strip() == ENGINE_SPIN_COUNT
+    assert "GOMP_SPINCOUNT" not in os.environ
+    assert _child_env("GOMP_SPINCOUNT").strip() == "-"
+
+
+@pytest.mark.parametrize("name, value", [("GOMP_SPINCOUNT", "7"), ("OMP_WAIT_POLICY", "active")])
+def test_a_users_own_openmp_wait_setting_wins(monkeypatch, name, value):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv(name, value)
+    with engine_environment() as added:
+        assert added == {}
+        assert _child_env("GOMP_SPINCOUNT").strip() == (value if name == "GOMP_SPINCOUNT" else "-")
+    assert os.environ[name] == value

@@ -49,6 +49,7 @@ from mci.engine.commands import AddRequest
 from mci.engine.config import EngineConfig
 from mci.errors import UserError
 from mci.model_config import ModelConfig
+from mci.process_tuning import engine_environment
 from mci.server.engine_process import engine_main
 from mci.server.in_flight import InFlightTable
 
@@ -124,7 +125,8 @@ class EngineSupervisor:
             daemon=False,
             name="mci-engine",
         )
-        process.start()
+        with engine_environment():
+            process.start()
         child.close()
         if not conn.poll(self._start_timeout_s):
             process.kill()
