@@ -129,7 +129,10 @@ def huge_pages(tensors) -> int:
 def engine_environment() -> Iterator[dict[str, str]]:
     """Environment variables set while an engine process starts (its libgomp reads them when
     it loads), then put back: GOMP_SPINCOUNT (4. above), unless the user set it or
-    OMP_WAIT_POLICY. Yields what it set."""
+    OMP_WAIT_POLICY. Yields what it set. The process's own environment holds them meanwhile:
+    a child another thread starts in that window (a restart runs on the supervisor's thread
+    while the server serves) inherits them too, which for OpenMP's spin count is harmless.
+    Followers of a multi-node run (`--node-rank` above 0) start without it."""
     added = {}
     if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
         added["GOMP_SPINCOUNT"] = ENGINE_SPIN_COUNT

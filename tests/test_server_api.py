@@ -10,6 +10,8 @@ import openai
 import pytest
 from server_helpers import LiveServer
 
+from mci.process_tuning import ENGINE_SPIN_COUNT
+
 MODEL = "tiny"
 
 
@@ -222,6 +224,23 @@ def _gauge(text: str, name: str) -> float:
     """The value of the sample named exactly `name` (labels included) in /metrics' text."""
     line = next(x for x in text.splitlines() if x.startswith(name + " "))
     return float(line.split()[-1])
+
+
+def test_the_engine_process_has_the_short_spin_count_and_the_front_end_does_not(server):
+    """`mci serve` starts its engine process inside `engine_environment`: the engine's OpenMP
+    threads sleep after GOMP_SPINCOUNT spins (a user's own value wins), the front end keeps
+    its environment as it was."""
+
+    def environment(pid: int) -> dict[str, str]:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+    engine = environment(server.wait_idle()["engine_pid"])
+    front_end = environment(server.proc.pid)
+    users = os.environ.get("GOMP_SPINCOUNT")
+    wanted = users or (None if "OMP_WAIT_POLICY" in os.environ else ENGINE_SPIN_COUNT)
+    assert engine.get("GOMP_SPINCOUNT") == wanted
+    assert front_end.get("GOMP_SPINCOUNT") == users
 
 
 def test_memory_is_exported(server):

@@ -44,10 +44,10 @@ FLAGS = {
 def tuned_flags(isa: str) -> list[str]:
     """`isa`'s flags, with the defines tuned per CPU vendor (each measured on one: cpu_matvec.c's
     STREAM_AHEAD, the weight bytes its address-ordered passes prefetch: 4 KB on Intel, none
-    on AMD)."""
+    on AMD; one CPU of each measured, so the vendor stands for its CPUs)."""
     if isa == "avx512" and "GenuineIntel" in cpu_flags():
         return [*FLAGS[isa], "-DSTREAM_AHEAD=4096"]
-    return FLAGS[isa]
+    return list(FLAGS[isa])
 
 
 def cpu_flags() -> str:

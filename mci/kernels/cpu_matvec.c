@@ -40,10 +40,15 @@ typedef struct {
     int share, part;
 } Ahead;
 
-/* Weight bytes ahead of the address-ordered passes (one_row, group_rows with P = 1) that they
- * prefetch; 0: none. build.py sets it per CPU vendor, as measured on each:
+/* Weight bytes ahead of the passes over weight rows in address order (one_row, group_rows
+ * with P = 1) that they prefetch; 0: none. Those passes read the weight from memory, except
+ * the one-row tails of the later passes (9, 17, ... rows of x), which read it from cache
+ * and prefetch too, for nothing. A prefetch never faults and never changes a sum; its
+ * address is formed as an integer, since it may lie past the weight's end. build.py sets
+ * it per CPU vendor, as measured on one CPU of each:
  * - a 2-core AMD EPYC (Zen 4), weights from DRAM: the hardware prefetchers follow the one
- *   address-ordered stream, and prefetching 4 rows ahead as well cost bandwidth (a decode
+ *   address-ordered stream, and prefetching 4 rows ahead (4 KB at k = 512) as well cost
+ *   bandwidth (a decode
  *   step of `small`, one request, 2.39-2.53 -> 2.31-2.35 ms without; 4 requests 5.46-5.66 ->
  *   5.30-5.36; a model-shaped sequence of 63 weights, 51 MB, 30-31 -> 35-38 GB/s, where a
  *   plain read of the same shares took 36-37);
@@ -54,6 +59,8 @@ typedef struct {
 #ifndef STREAM_AHEAD
 #define STREAM_AHEAD 0
 #endif
+#define PREFETCH_AHEAD(p)                                                                      \
+    _mm_prefetch((const char *)((uintptr_t)(p) + STREAM_AHEAD), _MM_HINT_T0)
 
 /* Weight rows [n, n + R) for T rows of x, P weight rows side by side (T, R, P compile-time
  * constants in each caller, T * R <= 16, so the 16 accumulators stay in registers). Each
@@ -66,8 +73,8 @@ typedef struct {
  * Measured on a 2-core AMD EPYC (Zen 4), one row of x, weights cold from DRAM: 4 rows side by
  * side read 512x512 at 15 GB/s and 8192x512 at 17, one row at a time 26 and 28 (a plain read:
  * 22-31). Software prefetch on this pass (and in one_row) depends on the CPU (see
- * STREAM_AHEAD). P = 2 for weights in cache, where the loads are the
- * limit: each chunk of x loaded once for two weight rows. Why groups: a row's sums reduced
+ * STREAM_AHEAD). P = 2 for weights in cache, where the loads are the limit: each chunk of x
+ * loaded once for two weight rows. Why groups: a row's sums reduced
  * alone cost ~10 shuffles and adds, its result rounded and stored one scalar at a time,
  * about as much as the row's dot products at k = 256-512 from cache; a group's 16 sums take 45
  * operations and one rounding.
@@ -96,8 +103,7 @@ static inline __attribute__((always_inline)) void group_rows(const uint16_t *xp,
                 if (next0) _mm_prefetch((const char *)(w0 + skip + kk), _MM_HINT_T0);
                 if (next1) _mm_prefetch((const char *)(w1 + skip + kk), _MM_HINT_T0);
             }
-            if (P == 1 && STREAM_AHEAD)
-                _mm_prefetch((const char *)(w0 + kk) + STREAM_AHEAD, _MM_HINT_T0);
+            if (P == 1 && STREAM_AHEAD) PREFETCH_AHEAD(w0 + kk);
             const __m512bh wv0 = (__m512bh)_mm512_loadu_si512(w0 + kk);
             __m512bh wv1 = wv0;
             if (rows > 1) wv1 = (__m512bh)_mm512_loadu_si512(w1 + kk);
@@ -146,7 +152,7 @@ static inline __attribute__((always_inline)) void one_row(const uint16_t *xp, co
     const uint16_t *wr = w + n * k;
     __m512 acc = _mm512_setzero_ps();
     for (long kk = 0; kk < k_full; kk += 32) {
-        if (STREAM_AHEAD) _mm_prefetch((const char *)(wr + kk) + STREAM_AHEAD, _MM_HINT_T0);
+        if (STREAM_AHEAD) PREFETCH_AHEAD(wr + kk);
         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wr + kk),
                                (__m512bh)_mm512_loadu_si512(xp + kk));
     }
