@@ -38,17 +38,17 @@
    4 GB here, too slow for a start-up.
 
 4. Let the engine process's OpenMP threads sleep sooner when idle (`engine_environment`, around
-   the engine process's start). libgomp's threads spin for GOMP_SPINCOUNT rounds of `pause`
-   before they sleep between parallel regions: 300,000 by default, tens of ms here. So a
-   decoding engine's second thread never sleeps: while the first runs the step's Python and
-   writes its outputs, it spins, and the front end woken by those outputs (and the client it
-   streams to) must take a CPU from one of the two engine threads. At 3,000 rounds (~0.15
-   ms on the Intel Xeon measured) the spinning thread sleeps in that gap, its CPU is idle, and
-   the front end runs there; the step's first region pays one wake-up. Measured on `small`,
-   served single streams of 256 tokens (a server per setting in turn, 8 streams each, mean ITL
-   per server): default 1.68 and 1.71 ms, 3,000 rounds 1.55 and 1.55, 10,000 1.61 and 1.59,
-   1,000 1.69 and 1.66 (threads that sleep inside a step's short gaps too). A user's own
-   GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
+   the engine process's start). libgomp's threads spin for GOMP_SPINCOUNT rounds (a load and a
+   `pause`, the `pause` alone ~11 ns on the Intel Xeon measured) before they sleep between
+   parallel regions: 300,000 by default, ~3.3 ms there. So a decoding engine's second thread
+   never sleeps: while the first runs the step's Python and writes its outputs (~0.2 ms), it
+   spins, and the front end woken by those outputs (and the client it streams to) must take a CPU
+   from one of the two engine threads. At 3,000 rounds (~35 us there) the spinning thread sleeps
+   in that gap, its CPU is idle, and the front end runs there; the step's first region pays one
+   wake-up. Measured on `small`, served single streams of 256 tokens (a server per setting in
+   turn, 8 streams each, mean ITL per server): default 1.68 and 1.71 ms, 3,000 rounds 1.55 and
+   1.55, 10,000 1.61 and 1.59, 1,000 1.69 and 1.66 (~11 us: threads that sleep inside a step's
+   short gaps too). A user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ typedef struct {
  *   plain read of the same shares took 36-37);
  * - a 2-core Intel Xeon (AMX; 2 MB of L2 a core, a 300 MB L3 that holds `small`'s weights):
  *   without it the same kind of sequence (57 weights, 53.5 MB, one row of x) read at 45-54
- *   GB/s where a plain read of the same shares takes 64; 4 KB ahead, 62-66 GB/s (2 KB: 62-64,
+ *   GB/s where a plain read of the same shares takes 64; 4 KB ahead, 60-66 GB/s (2 KB: 62-64,
  *   8 KB: 62); from DRAM (2 GB of copies in turn) 23 -> 32 GB/s. */
 #ifndef STREAM_AHEAD
 #define STREAM_AHEAD 0
