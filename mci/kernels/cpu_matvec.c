@@ -48,10 +48,9 @@ typedef struct {
  * it per CPU vendor, as measured on one CPU of each:
  * - a 2-core AMD EPYC (Zen 4), weights from DRAM: the hardware prefetchers follow the one
  *   address-ordered stream, and prefetching 4 rows ahead (4 KB at k = 512) as well cost
- *   bandwidth (a decode
- *   step of `small`, one request, 2.39-2.53 -> 2.31-2.35 ms without; 4 requests 5.46-5.66 ->
- *   5.30-5.36; a model-shaped sequence of 63 weights, 51 MB, 30-31 -> 35-38 GB/s, where a
- *   plain read of the same shares took 36-37);
+ *   bandwidth (a decode step of `small`, one request, 2.39-2.53 -> 2.31-2.35 ms without; 4
+ *   requests 5.46-5.66 -> 5.30-5.36; a model-shaped sequence of 63 weights, 51 MB, 30-31 ->
+ *   35-38 GB/s, where a plain read of the same shares took 36-37);
  * - a 2-core Intel Xeon (AMX; 2 MB of L2 a core, a 300 MB L3 that holds `small`'s weights):
  *   without it the same kind of sequence (57 weights, 53.5 MB, one row of x) read at 45-54
  *   GB/s where a plain read of the same shares takes 64; 4 KB ahead, 60-66 GB/s (2 KB: 62-64,
@@ -74,10 +73,10 @@ typedef struct {
  * side read 512x512 at 15 GB/s and 8192x512 at 17, one row at a time 26 and 28 (a plain read:
  * 22-31). Software prefetch on this pass (and in one_row) depends on the CPU (see
  * STREAM_AHEAD). P = 2 for weights in cache, where the loads are the limit: each chunk of x
- * loaded once for two weight rows. Why groups: a row's sums reduced
- * alone cost ~10 shuffles and adds, its result rounded and stored one scalar at a time,
- * about as much as the row's dot products at k = 256-512 from cache; a group's 16 sums take 45
- * operations and one rounding.
+ * loaded once for two weight rows. Why groups: a row's sums reduced alone cost ~10 shuffles
+ * and adds, its result rounded and stored one scalar at a time, about as much as the row's
+ * dot products at k = 256-512 from cache; a group's 16 sums take 45 operations and one
+ * rounding.
  * Measured (the 7 MoE layers' routed experts of a 32-request step of `small`, one expert hot
  * in cache for all, so the arithmetic alone): 3.45 ms a step before, 3.25 in groups, 2.75 in
  * groups with P = 2; from DRAM, P = 2 was 30% slower than P = 1. */
