@@ -214,7 +214,9 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
                          segments, hidden, inter, max_rows);
     }
     if (w_s_gate_up || amx_s_gate_up) { /* the shared experts of x rounded to bf16 */
-        uint16_t *xb = alloc64(sizeof(uint16_t) * 2 * t * hidden), *shared = xb + t * hidden;
+        /* x's rows, then (on the kernels) the shared experts' bf16 outputs */
+        uint16_t *xb = alloc64(sizeof(uint16_t) * (w_s_gate_up ? 2 : 1) * t * hidden);
+        uint16_t *shared = xb + t * hidden;
 #pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)
         for (long r = 0; r < t; r++) round_row(x + r * hidden, xb + r * hidden, hidden);
         if (w_s_gate_up) { /* out + shared: float32 + bf16, as MoE.forward adds them */
