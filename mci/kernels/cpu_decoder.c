@@ -71,8 +71,7 @@ typedef struct {
 
 /* x[i] = h[i] + x[i] over t rows (torch's `h + ffn`, one rounding per element). */
 static void add_into(float *x, const float *h, long n) {
-#pragma omp parallel for schedule(static) if (n >= PARALLEL_ELEMENTS)
-    for (long i = 0; i < n; i++) x[i] = h[i] + x[i];
+    PARALLEL_FOR(n >= PARALLEL_ELEMENTS, for (long i = 0; i < n; i++), x[i] = h[i] + x[i];);
 }
 
 /* x [t, hidden] float32 (the residual stream, updated in place), h [t, hidden] float32 (each
@@ -109,8 +108,8 @@ int mci_decoder_span(const DecodeStep *s, const DecodeLayer *finish, const float
         /* the bf16 input fills the first half of normed's float32 room, the output the second */
         uint16_t *y = (uint16_t *)normed + n;
         mci_gated_mlp(normed, hidden, L->w_gate_up, L->w_down, t, hidden, L->inter, y);
-#pragma omp parallel for schedule(static) if (n >= PARALLEL_ELEMENTS)
-        for (long j = 0; j < n; j++) x[j] = h[j] + bf16_to_float(y[j]);
+        PARALLEL_FOR(n >= PARALLEL_ELEMENTS, for (long j = 0; j < n; j++),
+                     x[j] = h[j] + bf16_to_float(y[j]););
     }
     return 0;
 }
@@ -185,8 +184,8 @@ int mci_decoder_step(const DecodeStep *s, const DecodeLayer *layers, long count,
         if (!bf) return -4;
         mci_linear(out, hidden, head, bf, head_rows, t, head_rows, hidden);
         const long n_out = t * head_rows;
-#pragma omp parallel for schedule(static) if (n_out >= PARALLEL_ELEMENTS)
-        for (long i = 0; i < n_out; i++) head_out[i] = bf16_to_float(bf[i]);
+        PARALLEL_FOR(n_out >= PARALLEL_ELEMENTS, for (long i = 0; i < n_out; i++),
+                     head_out[i] = bf16_to_float(bf[i]););
         free(bf);
     }
     return 0;

@@ -20,6 +20,52 @@
  * 123 -> ~50 us. */
 #define PARALLEL_ELEMENTS 8192
 
+/* ---- a kernel alone, or one of several in a team --------------------------------------------
+ * A kernel starts its own team of threads, or, called inside one (the innermost active
+ * parallel region: a caller such as mci_mla_decode runs a layer's kernels in one team, every
+ * thread calling the same kernels in the same order), works as the caller's thread. Starting
+ * and joining a team costs ~1 us here, a barrier inside one ~0.3 us (an empty region against a
+ * barrier, 2 threads); a one-token decode step started 80 teams. Which thread computes an
+ * output never changes its sum, so a kernel's bits are the same either way. */
+
+/* The body (its share by omp_get_thread_num() of omp_get_num_threads()) in a new team, or
+ * this thread's share and then a barrier: every output written before any thread goes on. */
+#define TEAM_WORK(...)                                                                      \
+    do {                                                                                    \
+        if (omp_in_parallel()) {                                                            \
+            __VA_ARGS__                                                                     \
+            _Pragma("omp barrier")                                                          \
+        } else {                                                                            \
+            _Pragma("omp parallel") { __VA_ARGS__ }                                         \
+        }                                                                                   \
+    } while (0)
+
+/* The body as one team: the caller's, where it is one of a team already, else a new one. Its
+ * buffers are the caller's (a malloc in the body would give each thread its own). */
+#define ONE_TEAM(...)                                                                       \
+    do {                                                                                    \
+        if (omp_in_parallel()) {                                                            \
+            __VA_ARGS__                                                                     \
+        } else {                                                                            \
+            _Pragma("omp parallel") { __VA_ARGS__ }                                         \
+        }                                                                                   \
+    } while (0)
+
+/* The loop `head body` over independent iterations: in a team, shared among its threads (a
+ * barrier after); alone, in a new team where `enough` holds, else on this thread without
+ * entering libgomp (an `if` clause still makes a team of one, ~0.25 us: a one-token decode
+ * step made 100). */
+#define PARALLEL_FOR(enough, head, ...)                                                     \
+    do {                                                                                    \
+        if (omp_in_parallel()) {                                                            \
+            _Pragma("omp for schedule(static)") head { __VA_ARGS__ }                        \
+        } else if (enough) {                                                                \
+            _Pragma("omp parallel for schedule(static)") head { __VA_ARGS__ }               \
+        } else {                                                                            \
+            head { __VA_ARGS__ }                                                            \
+        }                                                                                   \
+    } while (0)
+
 /* `bytes` on a 64-byte boundary (free() releases it), for buffers whose rows AMX tiles load
  * or a kernel's 64-byte vectors store: malloc aligns to 16 bytes only, and from a base that
  * is not on a 64-byte boundary every 64-byte row spans two cache lines. Measured on `small`'s

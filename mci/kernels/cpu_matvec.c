@@ -355,20 +355,18 @@ void mci_weight_rows(const uint16_t *x, long ldx, const Weight *w, long k, Sink 
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ w [n, k]^T; w contiguous. */
 void mci_linear(const uint16_t *x, long ldx, const Weight *w, uint16_t *y, long ldy, long m,
                 long n, long k) {
-#pragma omp parallel
-    {
+    TEAM_WORK({
         long n0, n1;
         mci_share(n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
         const Sink sink = {y, ldy, 0, 0, 0};
         mci_weight_rows(x, ldx, w, k, sink, m, n0, n1);
-    }
+    });
 }
 
 void mci_experts_into(const uint16_t *x, long ldx, const Weight *w, Sink y,
                       const int64_t *ids, const int64_t *starts, const int64_t *counts,
                       long segments, long n, long k, long gemm_above) {
-#pragma omp parallel
-    {
+    TEAM_WORK({
         long n0, n1;
         mci_share(n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
         for (long s = 0; s < segments; s++) {
@@ -380,7 +378,7 @@ void mci_experts_into(const uint16_t *x, long ldx, const Weight *w, Sink y,
             else
                 mci_weight_rows(xs, ldx, &we, k, ys, counts[s], n0, n1);
         }
-    }
+    });
 }
 
 /* Stacked experts: for each segment s, rows [starts[s], starts[s] + counts[s]) of x and y go
@@ -454,8 +452,7 @@ void mci_rms_norm_row(const void *x, int x_bf16, const uint16_t *w, void *y, int
  * row read once from L1 instead of twice from memory. */
 void mci_add_rms_norm(const float *x, long ldx, const void *a, int a_bf16, float *sum,
                       const uint16_t *w, void *y, int y_bf16, long rows, long n, float eps) {
-#pragma omp parallel for schedule(static) if (rows >= 32)
-    for (long r = 0; r < rows; r++) {
+    PARALLEL_FOR(rows >= 32, for (long r = 0; r < rows; r++), {
         const float *xr = x + r * ldx;
         const char *ar = (const char *)a + r * n * (a_bf16 ? 2 : 4);
         float *sr = sum + r * n;
@@ -467,13 +464,13 @@ void mci_add_rms_norm(const float *x, long ldx, const void *a, int a_bf16, float
             _mm512_mask_storeu_ps(sr + j, m, v);
         }
         mci_rms_norm_row(sr, 0, w, (char *)y + r * n * (y_bf16 ? 2 : 4), y_bf16, n, eps);
-    }
+    });
 }
 
 void mci_rms_norm(const void *x, long ldx, int x_bf16, const uint16_t *w, void *y, int y_bf16,
                   long rows, long n, float eps) {
-#pragma omp parallel for schedule(static) if (rows >= 32)
-    for (long r = 0; r < rows; r++)
+    PARALLEL_FOR(rows >= 32, for (long r = 0; r < rows; r++), {
         mci_rms_norm_row((const char *)x + r * ldx * (x_bf16 ? 2 : 4), x_bf16, w,
                          (char *)y + r * n * (y_bf16 ? 2 : 4), y_bf16, n, eps);
+    });
 }

@@ -630,11 +630,11 @@ static inline void rope_row(const uint16_t *v, const float *cos, const float *si
  * cos/sin [T, r/2] float32. */
 void mci_rope_heads(const uint16_t *x, long ldt, long ldh, const float *cos, const float *sin,
                     long tokens, long heads, long r, int interleave, uint16_t *out) {
-#pragma omp parallel for schedule(static) if (tokens * heads >= 256)
-    for (long t = 0; t < tokens; t++)
+    PARALLEL_FOR(tokens * heads >= 256, for (long t = 0; t < tokens; t++), {
         for (long hd = 0; hd < heads; hd++)
             rope_row(x + t * ldt + hd * ldh, cos + t * (r / 2), sin + t * (r / 2), r, interleave,
                      out + (t * heads + hd) * r);
+    });
 }
 
 /* The new latent rows of a step, written straight into one layer's cache: for token t,
@@ -646,12 +646,11 @@ void mci_write_latent_rows(const uint16_t *latent, long ld, const uint16_t *w, f
                            const float *cos, const float *sin, int interleave,
                            uint16_t *cache, const int64_t *slots, long tokens, long c, long r) {
     const long d = c + r;
-#pragma omp parallel for schedule(static) if (tokens * d >= PARALLEL_ELEMENTS)
-    for (long t = 0; t < tokens; t++) {
+    PARALLEL_FOR(tokens * d >= PARALLEL_ELEMENTS, for (long t = 0; t < tokens; t++), {
         uint16_t *row = cache + slots[t] * d;
         mci_rms_norm_row(latent + t * ld, 1, w, row, 1, c, eps);
         rope_row(latent + t * ld + c, cos + t * (r / 2), sin + t * (r / 2), r, interleave, row + c);
-    }
+    });
 }
 
 /* y[t, h, :b] = x[t, h, :a] @ w[h]^T for every head h (w [heads, b, a]); x and y address
@@ -664,8 +663,7 @@ static void per_head(const uint16_t *x, long ldx_t, long ldx_h, const Weight *w,
      * head. Each output's sum is the same whichever thread computes it. Measured on `small`
      * (8 heads, 16 KB a head, 2 threads), one decoding row, TSC, old and new alternating:
      * 17.6-20.0k -> 11.2-13.1k cycles for w_uk_t, 16.6-20.9k -> 11.4-12.1k for w_uv. */
-#pragma omp parallel
-    {
+    TEAM_WORK({
         long r0, r1;
         mci_share(heads * b, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
         for (long h = r0 / b; h < heads && h * b < r1; h++) {
@@ -674,7 +672,7 @@ static void per_head(const uint16_t *x, long ldx_t, long ldx_h, const Weight *w,
             const Weight wh = expert_weight(w, h, b, a);
             mci_weight_rows(x + h * ldx_h, ldx_t, &wh, a, sink, m, n0, n1);
         }
-    }
+    });
 }
 
 /* The attention sublayer of a decode step, x float32 [t, hidden] (the residual stream) ->
@@ -702,34 +700,39 @@ int mci_mla_decode(const float *x, long t, long hidden, const uint16_t *norm_w,
     const long size = t * (hidden + fused + (q_norm_w ? q_dim + heads * qk : 0) + heads * d +
                            heads * c + heads * v + hidden);
     uint16_t *xn = malloc(sizeof(uint16_t) * size);
-    uint16_t *qa = xn + t * hidden, *next = qa + t * fused, *q = qa;
-    mci_rms_norm(x, hidden, 0, norm_w, xn, 1, t, hidden, norm_eps);
-    mci_linear(xn, hidden, w_qkv_a, qa, fused, t, fused, hidden);
-    if (q_norm_w) {
-        uint16_t *qn = next;
-        q = qn + t * q_dim;
-        next = q + t * heads * qk;
-        mci_rms_norm(qa, fused, 1, q_norm_w, qn, 1, t, q_dim, q_eps);
-        mci_linear(qn, q_dim, w_q_b, q, heads * qk, t, heads * qk, q_dim);
-    }
-    mci_write_latent_rows(qa + q_dim, fused, kv_norm_w, kv_eps, cos, sin, interleave, cache,
-                          write_slots, t, c, r);
-    uint16_t *q_full = next, *att = q_full + t * heads * d, *o_in = att + t * heads * c;
+    uint16_t *qa = xn + t * hidden, *qn = qa + t * fused;
+    uint16_t *q = q_norm_w ? qn + t * q_dim : qa;
+    uint16_t *q_full = q_norm_w ? q + t * heads * qk : qn;
+    uint16_t *att = q_full + t * heads * d, *o_in = att + t * heads * c;
     uint16_t *o = o_in + t * heads * v;
-    per_head(q, ldq, qk, w_uk_t, heads, nope, c, q_full, heads * d, d, t);
-#pragma omp parallel for schedule(static) if (t * heads * r >= PARALLEL_ELEMENTS)
-    for (long i = 0; i < t; i++)
-        for (long h = 0; h < heads; h++)
-            rope_row(q + i * ldq + h * qk + nope, cos + i * (r / 2), sin + i * (r / 2), r,
-                     interleave, q_full + (i * heads + h) * d + c);
+    /* up to the queries in one team (its kernels share it; mci_kernels.h), the attention in
+     * its own, the rest in one */
+    ONE_TEAM({
+        mci_rms_norm(x, hidden, 0, norm_w, xn, 1, t, hidden, norm_eps);
+        mci_linear(xn, hidden, w_qkv_a, qa, fused, t, fused, hidden);
+        if (q_norm_w) {
+            mci_rms_norm(qa, fused, 1, q_norm_w, qn, 1, t, q_dim, q_eps);
+            mci_linear(qn, q_dim, w_q_b, q, heads * qk, t, heads * qk, q_dim);
+        }
+        mci_write_latent_rows(qa + q_dim, fused, kv_norm_w, kv_eps, cos, sin, interleave,
+                              cache, write_slots, t, c, r);
+        per_head(q, ldq, qk, w_uk_t, heads, nope, c, q_full, heads * d, d, t);
+        PARALLEL_FOR(t * heads * r >= PARALLEL_ELEMENTS, for (long i = 0; i < t; i++), {
+            for (long h = 0; h < heads; h++)
+                rope_row(q + i * ldq + h * qk + nope, cos + i * (r / 2), sin + i * (r / 2), r,
+                         interleave, q_full + (i * heads + h) * d + c);
+        });
+    });
     /* on AMX where the layer's per-head weights are (their amx_rows: 0 in batch invariance,
      * as the torch path's `_amx_rows()`) */
     mci_bf16_latent_decode_attention(q_full, cache, kv_slots, ld_slots, lens, t, heads, d, c,
                                      scale, att, w_uk_t->amx_rows > 0);
-    per_head(att, heads * c, c, w_uv, heads, c, v, o_in, heads * v, v, t);
-    mci_linear(o_in, heads * v, w_o, o, hidden, t, hidden, heads * v);
-#pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)
-    for (long i = 0; i < t * hidden; i++) out[i] = x[i] + bf16_to_float(o[i]);
+    ONE_TEAM({
+        per_head(att, heads * c, c, w_uv, heads, c, v, o_in, heads * v, v, t);
+        mci_linear(o_in, heads * v, w_o, o, hidden, t, hidden, heads * v);
+        PARALLEL_FOR(t * hidden >= PARALLEL_ELEMENTS, for (long i = 0; i < t * hidden; i++),
+                     out[i] = x[i] + bf16_to_float(o[i]););
+    });
     free(xn);
     return 0;
 }

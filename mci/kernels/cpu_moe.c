@@ -26,8 +26,7 @@
 /* act [rows, inter] = silu(gu[:, :inter]) * gu[:, inter:], both steps rounded to bf16 as
  * torch's bf16 ops do; gu [rows, 2 * inter] contiguous. */
 static void silu_mul(const uint16_t *gu, long rows, long inter, uint16_t *act) {
-#pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_ELEMENTS)
-    for (long r = 0; r < rows; r++) {
+    PARALLEL_FOR(rows * inter >= PARALLEL_ELEMENTS, for (long r = 0; r < rows; r++), {
         const uint16_t *g = gu + r * 2 * inter, *u = g + inter;
         uint16_t *out = act + r * inter;
         for (long i = 0; i < inter; i += 16) {
@@ -37,18 +36,27 @@ static void silu_mul(const uint16_t *gu, long rows, long inter, uint16_t *act) {
                                            _mm256_maskz_loadu_epi16(m, u + i));
             _mm256_mask_storeu_epi16(out + i, m, act);
         }
-    }
+    });
 }
 
 /* y [m, hidden] bf16 = down(silu(gate(x)) * up(x)): x [m, hidden] bf16 (row stride ldx),
  * w_gate_up [2 * inter, hidden], w_down [hidden, inter]. */
+static void gated_mlp_in(const uint16_t *x, long ldx, const Weight *w_gate_up,
+                         const Weight *w_down, long m, long hidden, long inter, uint16_t *room,
+                         uint16_t *y) {
+    uint16_t *act = room + m * 2 * inter; /* room [m, 3 * inter]: gate and up, then act */
+    ONE_TEAM({
+        mci_linear(x, ldx, w_gate_up, room, 2 * inter, m, 2 * inter, hidden);
+        silu_mul(room, m, inter, act);
+        mci_linear(act, inter, w_down, y, hidden, m, hidden, inter);
+    });
+}
+
 void mci_gated_mlp(const uint16_t *x, long ldx, const Weight *w_gate_up, const Weight *w_down,
                    long m, long hidden, long inter, uint16_t *y) {
-    uint16_t *gu = malloc(sizeof(uint16_t) * m * 3 * inter), *act = gu + m * 2 * inter;
-    mci_linear(x, ldx, w_gate_up, gu, 2 * inter, m, 2 * inter, hidden);
-    silu_mul(gu, m, inter, act);
-    mci_linear(act, inter, w_down, y, hidden, m, hidden, inter);
-    free(gu);
+    uint16_t *room = malloc(sizeof(uint16_t) * m * 3 * inter);
+    gated_mlp_in(x, ldx, w_gate_up, w_down, m, hidden, inter, room, y);
+    free(room);
 }
 
 /* One token's routing (TopKRouter.forward after its matmul): ids in descending choice order. */
@@ -149,12 +157,11 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
             const uint16_t *amx_s_down, long s_inter, long max_rows, float *out) {
     /* a token's routing as ~16 elementwise steps per expert (its exp, the group and top-k
      * scans): 32 tokens of 32 experts split */
-#pragma omp parallel for schedule(static) if (t * e * 16 >= PARALLEL_ELEMENTS)
-    for (long r = 0; r < t; r++) {
+    PARALLEL_FOR(t * e * 16 >= PARALLEL_ELEMENTS, for (long r = 0; r < t; r++), {
         float scores[e], choice[e];
         route(logits + r * e, bias, e, n_group, topk_group, top_k, norm, scaling, scores, choice,
               weights + r * top_k, ids + r * top_k);
-    }
+    });
     /* assignments a = r * top_k + k sorted by expert, then by a (MoE's stable argsort) */
     const long a_count = t * top_k;
     int64_t counts[e], first[e];
@@ -191,43 +198,50 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
         tokens[row] = a / top_k;
         sorted_weights[row] = weights[a];
     }
-    /* each expert's rows of x, rounded to bf16 (round_bf16 per copy: the same bits as rounding
-     * once, and the copies split over the threads) */
-#pragma omp parallel for schedule(static) if (a_count * hidden >= PARALLEL_ELEMENTS)
-    for (long row = 0; row < a_count; row++) {
-        round_row(x + tokens[row] * hidden, xs + row * hidden, hidden);
-    }
+    /* x's rows for the shared experts, then (on the kernels) their bf16 outputs and room */
+    const int shared_in_call = w_s_gate_up != NULL, with_shared = w_s_gate_up || amx_s_gate_up;
+    uint16_t *xb = with_shared ? alloc64(sizeof(uint16_t) * (shared_in_call ? 2 : 1) * t * hidden)
+                               : NULL;
+    uint16_t *shared = xb ? xb + t * hidden : NULL;
+    uint16_t *s_room = shared_in_call ? malloc(sizeof(uint16_t) * t * 3 * s_inter) : NULL;
     const Sink rows = {gu, 2 * inter, 0, 0, 0};
     const Sink combine = {0, hidden, out, tokens, sorted_weights};
     memset(out, 0, sizeof(float) * t * hidden);
+    /* up to the AMX kernels' calls in one team (cpu_kernels.h): each expert's rows of x and the
+     * shared experts' x rounded to bf16 (round_bf16 per copy: the same bits as rounding once),
+     * the routed experts on the skinny kernels, the shared experts' outputs */
+    ONE_TEAM({
+        PARALLEL_FOR(a_count * hidden >= PARALLEL_ELEMENTS,
+                     for (long row = 0; row < a_count; row++),
+                     round_row(x + tokens[row] * hidden, xs + row * hidden, hidden););
+        if (!amx) {
+            mci_experts_into(xs, hidden, w_gate_up, rows, seg_ids, seg_starts, seg_counts,
+                             segments, 2 * inter, hidden, max_rows);
+            silu_mul(gu, a_count, inter, act);
+            mci_experts_into(act, inter, w_down, combine, seg_ids, seg_starts, seg_counts,
+                             segments, hidden, inter, max_rows);
+        }
+        if (xb)
+            PARALLEL_FOR(t * hidden >= PARALLEL_ELEMENTS, for (long r = 0; r < t; r++),
+                         round_row(x + r * hidden, xb + r * hidden, hidden););
+        if (shared_in_call)
+            gated_mlp_in(xb, hidden, w_s_gate_up, w_s_down, t, hidden, s_inter, s_room, shared);
+    });
     if (amx) { /* the activations straight from the tiles (gate and up packed interleaved) */
         const Sink act_rows = {act, inter, 0, 0, 0};
         mci_amx_gated_experts_into(xs, hidden, amx_gate_up, act_rows, seg_ids, seg_starts,
                                    seg_counts, segments, 2 * inter, hidden);
         mci_amx_experts_into(act, inter, amx_down, combine, seg_ids, seg_starts, seg_counts,
                              segments, hidden, inter);
-    } else {
-        mci_experts_into(xs, hidden, w_gate_up, rows, seg_ids, seg_starts, seg_counts,
-                         segments, 2 * inter, hidden, max_rows);
-        silu_mul(gu, a_count, inter, act);
-        mci_experts_into(act, inter, w_down, combine, seg_ids, seg_starts, seg_counts,
-                         segments, hidden, inter, max_rows);
     }
-    if (w_s_gate_up || amx_s_gate_up) { /* the shared experts of x rounded to bf16 */
-        /* x's rows, then (on the kernels) the shared experts' bf16 outputs */
-        uint16_t *xb = alloc64(sizeof(uint16_t) * (w_s_gate_up ? 2 : 1) * t * hidden);
-        uint16_t *shared = xb + t * hidden;
-#pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)
-        for (long r = 0; r < t; r++) round_row(x + r * hidden, xb + r * hidden, hidden);
-        if (w_s_gate_up) { /* out + shared: float32 + bf16, as MoE.forward adds them */
-            mci_gated_mlp(xb, hidden, w_s_gate_up, w_s_down, t, hidden, s_inter, shared);
-#pragma omp parallel for schedule(static) if (t * hidden >= PARALLEL_ELEMENTS)
-            for (long i = 0; i < t * hidden; i++) out[i] += bf16_to_float(shared[i]);
-        } else { /* on AMX tiles, as one more expert of every token, last */
-            shared_on_amx(xb, t, hidden, amx_s_gate_up, amx_s_down, s_inter, out);
-        }
-        free(xb);
-    }
+    /* the shared experts after the routed ones, as MoE.forward adds them */
+    if (shared_in_call) /* out + shared: float32 + bf16 */
+        PARALLEL_FOR(t * hidden >= PARALLEL_ELEMENTS, for (long i = 0; i < t * hidden; i++),
+                     out[i] += bf16_to_float(shared[i]););
+    else if (with_shared) /* on AMX tiles, as one more expert of every token, last */
+        shared_on_amx(xb, t, hidden, amx_s_gate_up, amx_s_down, s_inter, out);
+    free(xb);
+    free(s_room);
     free(tokens);
     free(sorted_weights);
     free(xs);
