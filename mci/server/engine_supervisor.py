@@ -1,10 +1,8 @@
 """The front end's handle on the engine process: start, submit, abort, health, restarts.
 
 `EngineSupervisor` owns the engine process and its pipe; what is in flight lives in its
-`InFlightTable` (server/in_flight.py). The engine's messages are read by a thread until the
-server's event loop takes the pipe over (`read_on`: one wake-up a streamed token instead of
-the thread's and then the loop's); each output goes to its request's asyncio queue through the
-table.
+`InFlightTable` (server/in_flight.py). A reader thread receives the engine's messages and
+hands each output to its request's asyncio queue through the table.
 
 If the engine process dies (a crash, an out-of-memory kill, a broken parallel run) the
 supervisor restarts it, with backoff, up to `max_restarts` times in `RESTART_WINDOW_S`:
@@ -54,7 +52,6 @@ from mci.model_config import ModelConfig
 from mci.process_tuning import engine_environment
 from mci.server.engine_process import engine_main
 from mci.server.in_flight import InFlightTable
-from mci.server.message_reader import MessageReader
 
 log = logging.getLogger("mci")
 
@@ -111,8 +108,6 @@ class EngineSupervisor:
         self._closing = False
         self._generation = 0
         self.alive = False
-        self._reading_loop: asyncio.AbstractEventLoop | None = None  # set by read_on
-        self._loop_reader: MessageReader | None = None  # the pipe's reader on that loop
         self._start()
         threading.Thread(target=self._watch, name="mci-engine-watchdog", daemon=True).start()
 
@@ -163,12 +158,11 @@ class EngineSupervisor:
             self.alive = True
         if kept:
             log.info("resent %d request(s) to the new engine", len(kept))
-        generation = self._generation
-        if self._reading_loop is not None and self._hand_to_loop(conn, generation):
-            self._reader = None
-            return
         reader = threading.Thread(
-            target=self._read, args=(conn, generation), name="mci-engine-reader", daemon=True
+            target=self._read,
+            args=(conn, self._generation),
+            name="mci-engine-reader",
+            daemon=True,
         )
         reader.start()
         self._reader = reader
@@ -242,64 +236,26 @@ class EngineSupervisor:
         return max(WATCHDOG_MIN_S, WATCHDOG_STEP_FACTOR * self._longest_step_s)
 
     # ---- receiving ----------------------------------------------------------------------------
-    def read_on(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Read the engine's messages on `loop` from now on, this engine's and every later
-        one's: the reader thread hands the pipe over after the message it is reading (the
-        engine sends one at least every HEARTBEAT_S). `mci serve` calls it as its server starts;
-        the loop must outlive the engine (shutdown, not the loop's end, stops the reading)."""
-        self._reading_loop = loop
-
-    def _hand_to_loop(self, conn, generation: int) -> bool:
-        try:
-            self._reading_loop.call_soon_threadsafe(self._read_on_loop, conn, generation)
-        except RuntimeError:  # that loop is closed: a thread keeps reading
-            return False
-        return True
-
-    def _read_on_loop(self, conn, generation: int) -> None:
-        """On the reading loop: read one engine generation's pipe when it is readable."""
-        if self._closing:
-            return
-        loop, reader = asyncio.get_running_loop(), MessageReader(conn)
-        self._loop_reader = reader
-
-        def readable() -> None:
-            messages = reader.read()
-            for msg in messages or ():
-                self._handle(msg)
-            if messages is None:  # the engine exited: its death path joins it (not here)
-                loop.remove_reader(reader.fileno())
-                reader.close()
-                threading.Thread(
-                    target=self._on_death, args=(generation,), name="mci-engine-death", daemon=True
-                ).start()
-
-        loop.add_reader(reader.fileno(), readable)
-
     def _read(self, conn, generation: int) -> None:
-        """The reader thread: until the engine exits, or until a loop takes the pipe over."""
         while True:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
                 self._on_death(generation)
                 return
-            self._handle(msg)
-            if self._reading_loop is not None and self._hand_to_loop(conn, generation):
-                return
-
-    def _handle(self, msg: commands.Outputs | commands.Heartbeat | commands.StateReply) -> None:
-        self._last_heard = time.monotonic()
-        if isinstance(msg, commands.Heartbeat):
-            self.stats = msg.stats
-        elif isinstance(msg, commands.Outputs):
-            self.stats = msg.stats
-            self.in_flight.deliver(msg.outputs)
-        elif isinstance(msg, commands.StateReply):
-            entry = self._state_waiters.get(msg.token)
-            if entry:
-                loop, fut = entry
-                loop.call_soon_threadsafe(lambda f=fut, s=msg.state: f.done() or f.set_result(s))
+            self._last_heard = time.monotonic()
+            if isinstance(msg, commands.Heartbeat):
+                self.stats = msg.stats
+            elif isinstance(msg, commands.Outputs):
+                self.stats = msg.stats
+                self.in_flight.deliver(msg.outputs)
+            elif isinstance(msg, commands.StateReply):
+                entry = self._state_waiters.get(msg.token)
+                if entry:
+                    loop, fut = entry
+                    loop.call_soon_threadsafe(
+                        lambda f=fut, s=msg.state: f.done() or f.set_result(s)
+                    )
 
     # ---- death and restarts -------------------------------------------------------------------
     def _on_death(self, generation: int) -> None:
@@ -415,7 +371,5 @@ class EngineSupervisor:
             self.process.join(5)
         self.alive = False
         deadline = time.monotonic() + 2
-        while self._reader is not None and self._reader.is_alive() and time.monotonic() < deadline:
+        while self._reader.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
-        if self._loop_reader is not None:  # the loop has stopped (or stops): nothing reads
-            self._loop_reader.close()

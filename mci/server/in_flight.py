@@ -1,11 +1,11 @@
 """The front end's requests in the engine: where each sample's outputs go, what to send again.
 
 Each `AddRequest` the front end sends is an entry until its last sample's final output has
-been delivered. Outputs arrive on the thread or event loop that reads the engine's pipe and go
-to the asyncio queue of their sample (on that queue's own event loop, thread-safe). The table
-also answers the questions an engine's death asks (server/engine_supervisor.py): which
-requests can be sent again unchanged (none of their samples has produced output), which must
-fail, and which have waited past their queue bound while no engine ran.
+been delivered. Outputs arrive on the engine reader's thread and go to the asyncio queue of
+their sample (on that queue's own event loop, thread-safe). The table also answers the
+questions an engine's death asks (server/engine_supervisor.py): which requests can be sent
+again unchanged (none of their samples has produced output), which must fail, and which have
+waited past their queue bound while no engine ran.
 
 Thread-safe: one lock over the table. Invariant: a sample is in the table exactly while its
 request is, and a request leaves once it has no sample left.
@@ -101,9 +101,8 @@ class InFlightTable:
             self._targets.pop(sid, None)
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand outputs to their queues: directly on the loop the call runs on, else one
-        wake-up of each event loop per call, not one per output (a step of 32 requests is one
-        syscall, not 32)."""
+        """Hand outputs to their queues: one wake-up of each event loop per call, not one per
+        output (a step of 32 requests is one syscall, not 32)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             for out in outputs:
@@ -118,14 +117,7 @@ class InFlightTable:
                     if not entry.samples:
                         self._requests.pop(target.request_id)
                 by_loop.setdefault(target.loop, []).append((target.queue, out))
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:  # a thread's call
-            running = None
         for loop, items in by_loop.items():
-            if loop is running:  # the loop reads the pipe itself: no wake-up needed
-                _put_all(items)
-                continue
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the loop is closed (shutting down)

@@ -7,7 +7,6 @@ and the command exits 0. A second signal (or SIGINT) stops at once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import signal
 import threading
@@ -32,17 +31,11 @@ log = logging.getLogger("mci")
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGTERM drains instead of closing connections, and whose
-    loop reads the engine's pipe."""
+    """uvicorn.Server whose first SIGTERM drains instead of closing connections."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState):
         super().__init__(config)
         self.state = state
-
-    async def startup(self, sockets=None) -> None:
-        # the engine's pipe is read on this loop: a streamed token wakes one thread, not two
-        self.state.engine.read_on(asyncio.get_running_loop())
-        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and not self.state.draining:
