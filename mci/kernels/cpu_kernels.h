@@ -21,12 +21,14 @@
 #define PARALLEL_ELEMENTS 8192
 
 /* ---- a kernel alone, or one of several in a team --------------------------------------------
- * A kernel starts its own team of threads, or, called inside one (the innermost active
- * parallel region: a caller such as mci_mla_decode runs a layer's kernels in one team, every
- * thread calling the same kernels in the same order), works as the caller's thread. Starting
- * and joining a team costs ~1 us here, a barrier inside one ~0.3 us (an empty region against a
- * barrier, 2 threads); a one-token decode step started 80 teams. Which thread computes an
- * output never changes its sum, so a kernel's bits are the same either way. */
+ * A kernel starts its own team of threads, or, called inside an active parallel region (a
+ * caller such as mci_mla_decode runs a layer's kernels in one team), works as one thread of
+ * that team. Starting and joining a team costs ~1 us here, a barrier inside one ~0.3 us (an
+ * empty region against a barrier, 2 threads); a one-token decode step started 80 teams. Which
+ * thread computes an output never changes its sum, so a kernel's bits are the same either way.
+ * Invariant: inside a region, every thread of the team calls the same kernels in the same
+ * order, and none calls one from a worksharing loop, `single` or `master` (it would do one
+ * thread's share, then wait at a barrier the others never reach). */
 
 /* The body (its share by omp_get_thread_num() of omp_get_num_threads()) in a new team, or
  * this thread's share and then a barrier: every output written before any thread goes on. */
@@ -52,9 +54,9 @@
     } while (0)
 
 /* The loop `head body` over independent iterations: in a team, shared among its threads (a
- * barrier after); alone, in a new team where `enough` holds, else on this thread without
- * entering libgomp (an `if` clause still makes a team of one, ~0.25 us: a one-token decode
- * step made 100). */
+ * barrier after); alone, in a new team where `enough` holds, else on this thread without a
+ * team at all (an `if` clause still makes a team of one, ~0.25 us: a one-token decode step
+ * made 100). */
 #define PARALLEL_FOR(enough, head, ...)                                                     \
     do {                                                                                    \
         if (omp_in_parallel()) {                                                            \

@@ -705,7 +705,7 @@ int mci_mla_decode(const float *x, long t, long hidden, const uint16_t *norm_w,
     uint16_t *q_full = q_norm_w ? q + t * heads * qk : qn;
     uint16_t *att = q_full + t * heads * d, *o_in = att + t * heads * c;
     uint16_t *o = o_in + t * heads * v;
-    /* up to the queries in one team (its kernels share it; mci_kernels.h), the attention in
+    /* up to the queries in one team (its kernels share it; cpu_kernels.h), the attention in
      * its own, the rest in one */
     ONE_TEAM({
         mci_rms_norm(x, hidden, 0, norm_w, xn, 1, t, hidden, norm_eps);

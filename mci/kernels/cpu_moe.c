@@ -39,12 +39,12 @@ static void silu_mul(const uint16_t *gu, long rows, long inter, uint16_t *act) {
     });
 }
 
-/* y [m, hidden] bf16 = down(silu(gate(x)) * up(x)): x [m, hidden] bf16 (row stride ldx),
- * w_gate_up [2 * inter, hidden], w_down [hidden, inter]. */
-static void gated_mlp_in(const uint16_t *x, long ldx, const Weight *w_gate_up,
+/* mci_gated_mlp in one team (the caller's, or its own), its intermediates in the caller's
+ * room [m, 3 * inter]: gate and up, then their product. */
+static void gated_mlp_with_room(const uint16_t *x, long ldx, const Weight *w_gate_up,
                          const Weight *w_down, long m, long hidden, long inter, uint16_t *room,
                          uint16_t *y) {
-    uint16_t *act = room + m * 2 * inter; /* room [m, 3 * inter]: gate and up, then act */
+    uint16_t *act = room + m * 2 * inter;
     ONE_TEAM({
         mci_linear(x, ldx, w_gate_up, room, 2 * inter, m, 2 * inter, hidden);
         silu_mul(room, m, inter, act);
@@ -52,10 +52,13 @@ static void gated_mlp_in(const uint16_t *x, long ldx, const Weight *w_gate_up,
     });
 }
 
+/* y [m, hidden] bf16 = down(silu(gate(x)) * up(x)): x [m, hidden] bf16 (row stride ldx),
+ * w_gate_up [2 * inter, hidden], w_down [hidden, inter]. Never inside a team (its room is
+ * its own). */
 void mci_gated_mlp(const uint16_t *x, long ldx, const Weight *w_gate_up, const Weight *w_down,
                    long m, long hidden, long inter, uint16_t *y) {
     uint16_t *room = malloc(sizeof(uint16_t) * m * 3 * inter);
-    gated_mlp_in(x, ldx, w_gate_up, w_down, m, hidden, inter, room, y);
+    gated_mlp_with_room(x, ldx, w_gate_up, w_down, m, hidden, inter, room, y);
     free(room);
 }
 
@@ -198,7 +201,8 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
         tokens[row] = a / top_k;
         sorted_weights[row] = weights[a];
     }
-    /* x's rows for the shared experts, then (on the kernels) their bf16 outputs and room */
+    /* x's rows for the shared experts, then (on the kernels) their bf16 outputs; s_room: their
+     * gated MLP's intermediates */
     const int shared_in_call = w_s_gate_up != NULL, with_shared = w_s_gate_up || amx_s_gate_up;
     uint16_t *xb = with_shared ? alloc64(sizeof(uint16_t) * (shared_in_call ? 2 : 1) * t * hidden)
                                : NULL;
@@ -225,7 +229,8 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
             PARALLEL_FOR(t * hidden >= PARALLEL_ELEMENTS, for (long r = 0; r < t; r++),
                          round_row(x + r * hidden, xb + r * hidden, hidden););
         if (shared_in_call)
-            gated_mlp_in(xb, hidden, w_s_gate_up, w_s_down, t, hidden, s_inter, s_room, shared);
+            gated_mlp_with_room(xb, hidden, w_s_gate_up, w_s_down, t, hidden, s_inter, s_room,
+                                shared);
     });
     if (amx) { /* the activations straight from the tiles (gate and up packed interleaved) */
         const Sink act_rows = {act, inter, 0, 0, 0};
