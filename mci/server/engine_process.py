@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import sys
 import time
@@ -37,6 +38,10 @@ class PipeInbox:
 
     def __init__(self, conn: Connection, parts: EngineParts):
         self.conn = conn
+        # one poll object for the engine's life: Connection.poll builds and registers a
+        # selector each call, every step (2.2 us against 0.3 here, measured alone)
+        self._poller = select.poll()
+        self._poller.register(conn.fileno(), select.POLLIN)
         self.parts = parts
         self.outbox: list[RequestOutput] = []
         self.stop = False  # the loop ends
@@ -47,7 +52,7 @@ class PipeInbox:
         deliveries: list[Delivery] = []
         timeout = IDLE_WAIT_S if wait else 0
         try:
-            while not self.stop and self.conn.poll(timeout):
+            while not self.stop and self._poller.poll(timeout * 1000):  # readable or closed
                 timeout = 0
                 delivery = self._delivery(self.conn.recv())
                 if delivery is not None:
