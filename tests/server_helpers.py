@@ -163,22 +163,38 @@ def complete_into(url: str, prompt: str, max_tokens: int, results: dict, key) ->
         results[key] = (None, str(exc), None)
 
 
+def wait_for_state(url: str, ready, timeout_s: float = 60) -> dict:
+    """Poll the engine's live state (/internal/state) until `ready(state)`; returns it. Tests
+    that must catch a request mid-way wait for this, not for fixed times: `tiny` decodes
+    1,500 tokens in under 2 s on a fast machine."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = httpx.get(url + "/internal/state", timeout=10)
+        state = reply.json()
+        if reply.status_code == 200 and ready(state):  # 503 while no engine runs
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine state never became ready: {state}")
+        time.sleep(0.02)
+
+
 def long_request_then_queued(
     url: str, prompts: list[str], results: dict, send=complete_into, max_tokens: int = 1500
 ):
     """On a server with --max-running-requests 1: a `max_tokens` request (key "long", sent by
-    `send`) that runs alone, then `prompts` queued behind it (8 tokens each, keys 0..n-1).
-    Returns the threads: (long, queued)."""
+    `send`) that runs alone and has produced tokens, then `prompts` queued behind it (8 tokens
+    each, keys 0..n-1), all waiting. Returns the threads: (long, queued)."""
+    generated = wait_for_state(url, lambda s: True)["counters"].get("generation_tokens", 0)
     long = threading.Thread(target=send, args=(url, "x", max_tokens, results, "long"))
     long.start()
-    time.sleep(1.0)
+    wait_for_state(url, lambda s: s["counters"].get("generation_tokens", 0) > generated)
     queued = [
         threading.Thread(target=complete_into, args=(url, p, 8, results, i))
         for i, p in enumerate(prompts)
     ]
     for t in queued:
         t.start()
-    time.sleep(0.5)
+    wait_for_state(url, lambda s: s["num_waiting"] == len(prompts))
     return long, queued
 
 

@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import LiveServer, long_request_then_queued
+from server_helpers import LiveServer, long_request_then_queued, wait_for_state
 from server_helpers import complete_into as _complete
 
 PROMPTS = [f"def task_{i}(x):" for i in range(4)]
@@ -148,15 +148,15 @@ def test_a_request_in_flight_through_two_hangs_is_not_sent_again(checkpoint):
         results: dict = {}
         long = threading.Thread(target=_complete, args=(server.url, "x", 1500, results, "long"))
         long.start()
-        time.sleep(1.0)
+        wait_for_state(server.url, lambda s: s["counters"].get("generation_tokens"))
         queued = []
-        for key in ("q1", "q2"):  # after the first hang q1 runs and q2 waits behind it
+        for i, key in enumerate(("q1", "q2")):  # after the first hang q1 runs, q2 behind it
             queued.append(
                 threading.Thread(target=_complete, args=(server.url, key, 1500, results, key))
             )
             queued[-1].start()
-            time.sleep(0.3)
-        for _ in range(2):  # the queued request is resent after the first hang only
+            wait_for_state(server.url, lambda s, waiting=i + 1: s["num_waiting"] == waiting)
+        for hang in range(2):  # the queued request is resent after the first hang only
             pid = server.state()["engine_pid"]
             os.kill(pid, signal.SIGSTOP)
             deadline = time.monotonic() + 60
@@ -165,7 +165,8 @@ def test_a_request_in_flight_through_two_hangs_is_not_sent_again(checkpoint):
             while httpx.get(server.url + "/health").status_code != 200:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-            time.sleep(0.5)
+            if hang == 0:  # the new engine has begun q1 (the second hang ends both)
+                wait_for_state(server.url, lambda s: s["counters"].get("generation_tokens"))
         for t in (long, *queued):
             t.join(30)
         status, body, _ = results["q2"]
