@@ -42,8 +42,8 @@ static void silu_mul(const uint16_t *gu, long rows, long inter, uint16_t *act) {
 /* mci_gated_mlp in one team (the caller's, or its own), its intermediates in the caller's
  * room [m, 3 * inter]: gate and up, then their product. */
 static void gated_mlp_with_room(const uint16_t *x, long ldx, const Weight *w_gate_up,
-                         const Weight *w_down, long m, long hidden, long inter, uint16_t *room,
-                         uint16_t *y) {
+                                const Weight *w_down, long m, long hidden, long inter,
+                                uint16_t *room, uint16_t *y) {
     uint16_t *act = room + m * 2 * inter;
     ONE_TEAM({
         mci_linear(x, ldx, w_gate_up, room, 2 * inter, m, 2 * inter, hidden);
@@ -206,7 +206,7 @@ int mci_moe(const float *x, const float *logits, const float *bias, long t, long
     const int shared_in_call = w_s_gate_up != NULL, with_shared = w_s_gate_up || amx_s_gate_up;
     uint16_t *xb = with_shared ? alloc64(sizeof(uint16_t) * (shared_in_call ? 2 : 1) * t * hidden)
                                : NULL;
-    uint16_t *shared = xb ? xb + t * hidden : NULL;
+    uint16_t *shared = shared_in_call ? xb + t * hidden : NULL;
     uint16_t *s_room = shared_in_call ? malloc(sizeof(uint16_t) * t * 3 * s_inter) : NULL;
     const Sink rows = {gu, 2 * inter, 0, 0, 0};
     const Sink combine = {0, hidden, out, tokens, sorted_weights};
