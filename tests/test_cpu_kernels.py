@@ -5,6 +5,7 @@ the oneDNN model."""
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import pytest
@@ -1048,6 +1049,66 @@ def test_the_routers_sgemm_gives_f_linears_bits():
         weight = torch.randn(experts, hidden, generator=gen) * 0.05
         for rows in (1, 2, 3, 7, 16, 33, 64, 300, 512):  # 512: cpu_kernels.AMX_MAX_ROWS
             assert cpu_decoder.sgemm_is_linear(sgemm, weight, rows)
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_several_greedy_decode_steps_in_one_call_are_those_steps_one_by_one(checkpoint, size, rows):
+    """`decode_greedy` runs up to `steps` whole decode steps in one C call, each step's greedy
+    tokens the next one's ids: the tokens are the first maxima of the logits `decode_logits`
+    gives step by step, and the cache holds the same latents, bit for bit, at 1 and 3 rows.
+    The call ends after a step that drew a stop id, once the wake-up descriptor is readable,
+    or past its time budget; it refuses a slot table without room for the steps ahead."""
+    model = load_model(checkpoint(dtype="bfloat16", size=size), "bfloat16")
+    model.pack_for_cpu()
+    steps = 6
+    contexts = [torch.arange(b * 60, b * 60 + 40 + b) for b in range(rows)]
+    ahead = [torch.arange(b * 60, b * 60 + 40 + b + steps - 1) for b in range(rows)]
+    table = torch.nn.utils.rnn.pad_sequence(ahead, batch_first=True)
+    ids = torch.randint(0, 2048, (rows,), generator=torch.Generator().manual_seed(rows))
+
+    def fresh_cache():
+        cache = model.allocate_kv_cache(rows * 61 + 60)
+        noise = torch.randn(cache.shape, generator=torch.Generator().manual_seed(2))
+        return cache.copy_(noise)
+
+    def meta_at(k: int) -> AttentionMetadata:
+        chunks = [SequenceChunk(a[: len(c) + k], 1) for a, c in zip(ahead, contexts)]
+        return AttentionMetadata.build(chunks, "cpu", model.attention_layout)
+
+    want, want_cache, step_ids = [], fresh_cache(), ids
+    with torch.inference_mode():
+        for k in range(steps):
+            logits = model.decode_logits(step_ids, meta_at(k), want_cache)
+            if logits is None:
+                pytest.skip("no whole-step decoder here")
+            step_ids = logits.argmax(-1)
+            want.append(step_ids)
+        want = torch.stack(want)
+        cache = fresh_cache()
+        got = model.decode_greedy(ids, meta_at(0), cache, table, steps)
+        assert torch.equal(got, want) and torch.equal(cache, want_cache)
+        # a stop id first drawn at a middle step ends the call after that step
+        seen = [set(want[:k].flatten().tolist()) for k in range(steps)]
+        stop = next(k for k in range(1, steps - 1) if int(want[k, 0]) not in seen[k])
+        stop_ids = (int(want[stop, 0]), 999_999)
+        got = model.decode_greedy(ids, meta_at(0), fresh_cache(), table, steps, stop_ids)
+        assert torch.equal(got, want[: stop + 1])
+        read, write = os.pipe()
+        try:
+            got = model.decode_greedy(ids, meta_at(0), fresh_cache(), table, steps, (), read)
+            assert torch.equal(got, want)  # nothing to read: every step
+            os.write(write, b"x")
+            got = model.decode_greedy(ids, meta_at(0), fresh_cache(), table, steps, (), read)
+            assert torch.equal(got, want[:1])  # readable: the step in flight only
+        finally:
+            os.close(read)
+            os.close(write)
+        # past its time budget after the first step: that step only
+        got = model.decode_greedy(ids, meta_at(0), fresh_cache(), table, steps, (), None, 1e-9)
+        assert torch.equal(got, want[:1])
+        with pytest.raises(ValueError, match="no room"):
+            model.decode_greedy(ids, meta_at(0), fresh_cache(), table[:, :-1], steps)
 
 
 def test_a_whole_decode_step_waits_for_the_float32_precision_its_check_saw(checkpoint):

@@ -42,7 +42,8 @@ class FakeRunner:
             assert item.start == req.num_computed_tokens
             wants = req.params.max_new_tokens > 0
             assert item.sample == (item.start + item.num_new == req.num_tokens and wants)
-            assert req.num_slots == item.start + item.num_new  # slots allocated for the chunk
+            # slots allocated for the chunk (and the decode steps ahead it may run)
+            assert req.num_slots == item.start + item.num_new + batch.decode_steps - 1
         step = len(self.batches)
         self.batches.append(
             [(i.request.request_id, i.start, i.num_new, i.sample) for i in batch.items]

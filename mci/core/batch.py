@@ -59,9 +59,16 @@ def _scored_positions(request: Request, start: int, num_new: int) -> range:
 
 @dataclass
 class ScheduledBatch:
-    """All work of one step, in the order the runner lays out its tokens."""
+    """All work of one step, in the order the runner lays out its tokens.
+
+    `decode_steps` > 1: the step may run up to that many decode steps, each one's greedy
+    tokens the next one's input (Scheduler._plan_ahead); every item then decodes one known
+    token of a `Request.greedy_as_is` request and has slots for `decode_steps` positions from
+    its start. The runner may run fewer steps (down to one); it returns a token per item per
+    step run."""
 
     items: list[ScheduledItem] = field(default_factory=list)
+    decode_steps: int = 1
 
     @property
     def sampling_items(self) -> list[ScheduledItem]:

@@ -186,6 +186,23 @@ class Request:
         self.token_ids.append(token_id)
 
     @property
+    def greedy_as_is(self) -> bool:
+        """Its next token is its logits' first maximum as they come, and nothing but the token
+        is reported: greedy, and no logit_bias, penalties, grammar, stop tokens masked before
+        min_tokens, logprobs or drafts (runner/sampler.py draws such a row with no pass over
+        its logits but the argmax)."""
+        p = self.params
+        return (
+            p.greedy
+            and p.logprobs is None
+            and not p.logit_bias
+            and not p.has_penalties
+            and self.grammar is None
+            and not self.draft_ids
+            and len(self.output_ids) >= p.min_new_tokens
+        )
+
+    @property
     def prefill_only(self) -> bool:
         """The prefill side of a disaggregated pair: done once its first new token is out."""
         return self.handoff is not None and self.handoff.prefill_only

@@ -164,6 +164,8 @@ def build_engine_core(
     kv = KVCacheManager(pool, radix, match_margin=1 if with_mtp else 0)
     outputs = OutputProcessor(tokenizer, eos_ids, config.scheduler.enable_jump_forward)
     scheduler = Scheduler(config.scheduler, kv, outputs)
+    if spec.enabled or model.parallel.world_size > 1:
+        scheduler.decode_steps = 1  # the runner runs one step: drafts, or ranks in lockstep
     # Chained MTP drafts write latents of unverified positions: to scratch slots after the
     # pool's, a row of num_steps per request that can share a step (see mci/speculative/mtp.py).
     scratch_cols = spec.num_steps if with_mtp else 0

@@ -60,6 +60,10 @@ class StepCore(Protocol):
 
     def step(self) -> list[RequestOutput]: ...
 
+    def wake_on(self, fd: int | None) -> None:
+        """A step running several decode steps ends after the one in flight once `fd` is
+        readable (the loop's inbox holds a command: `Inbox.wake_fd`); None: never early."""
+
     def idle(self) -> None:
         """Called while there is no work."""
 
@@ -178,6 +182,9 @@ class EngineCore:
             self.threads.between_steps(stepping)
         if self.free_memory is not None:
             self.free_memory.between_steps()
+
+    def wake_on(self, fd: int | None) -> None:
+        self.runner.wake_fd = fd
 
     def idle(self) -> None:
         """Called while there is no work (a parallel run keeps its ranks' collectives alive)."""

@@ -172,6 +172,9 @@ class DataParallelCore:
     def step(self) -> list[RequestOutput]:
         return self._take_held() + self._round(step=True)
 
+    def wake_on(self, fd: int | None) -> None:
+        self.local.wake_on(fd)  # ranks step in lockstep: one decode step a step (builder.py)
+
     def idle(self) -> None:
         if time.monotonic() - self._last_round > self._keepalive_s:
             # the followers wait inside a collective that times out

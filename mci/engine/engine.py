@@ -74,6 +74,7 @@ class Engine:
         self.kv = self.core.kv
         self._loop = EngineLoop(self.core)
         self._inbox = QueueInbox()
+        self.core.wake_on(self._inbox.wake_fd)
         self._stopped = threading.Event()
         self._ids = itertools.count()
         self._thread = None

@@ -14,7 +14,9 @@ never leaves the process (it carries a function).
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -44,20 +46,32 @@ Delivery = tuple[LoopCommand, Sink | None]
 
 
 class Inbox(Protocol):
+    # readable whenever a command waits to be taken (None: no such descriptor): a step that
+    # runs several decode steps ends early on it (`StepCore.wake_on`)
+    wake_fd: int | None
+
     def take(self, wait: bool) -> list[Delivery]:
         """Commands that arrived since the last call; with `wait`, block briefly for one."""
 
 
 class QueueInbox:
-    """Commands from any thread, through a thread-safe queue."""
+    """Commands from any thread, through a thread-safe queue; an eventfd counts them in, so
+    that `wake_fd` is readable while one waits."""
 
     def __init__(self):
         self._queue: queue.Queue[Delivery] = queue.Queue()
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        weakref.finalize(self, os.close, self.wake_fd)  # open as long as the inbox is
 
     def put(self, command: LoopCommand, sink: Sink | None = None) -> None:
-        self._queue.put((command, sink))
+        self._queue.put((command, sink))  # queued before the count: `take` sees it
+        os.eventfd_write(self.wake_fd, 1)
 
     def take(self, wait: bool) -> list[Delivery]:
+        try:  # the count first: a command put after this read stays counted
+            os.eventfd_read(self.wake_fd)
+        except BlockingIOError:
+            pass
         deliveries = []
         try:
             deliveries.append(

@@ -180,6 +180,22 @@ class StepEnds:
     head: KernelWeight | None = None
 
 
+class StepLoop(ctypes.Structure):
+    """cpu_decoder.c's StepLoop: how far `mci_decode_steps` may run, and how far it ran."""
+
+    _fields_ = [
+        ("steps", long), ("stops", ptr), ("n_stops", long), ("wake_fd", c_int),
+        ("budget_s", ctypes.c_double), ("tokens", ptr), ("ran", long),
+    ]  # fmt: skip
+
+
+class _StepCall(NamedTuple):
+    args: tuple  # the C step's arguments, addresses into `out`, `head_out` and `buffers`
+    out: torch.Tensor  # the final norm's bf16 [t, hidden]
+    head_out: torch.Tensor | None  # the logits' float32 [t, vocab] room (None: no head)
+    buffers: tuple  # the rest the addresses point into, alive as long as this is
+
+
 class _Span(NamedTuple):
     finish: int | None  # the DecodeLayer address of the MoE layer finished first, or None
     router: int | None  # that layer's index (its router runs before the call)
@@ -197,6 +213,7 @@ class DecoderSpans:
     def __init__(self, kernels, layers: list[KernelLayer], rows: int, ends: StepEnds | None = None):
         self._call = kernels._decoder_span
         self._step = kernels._decoder_step
+        self._steps = kernels._decode_steps
         self.rows = rows  # the step size the layers were bound at (their kernels' limits)
         # `step` runs (one C call a step) where every router's matmul can go through `ends`'
         # sgemm with F.linear's bits at this row count (checked once per weight shape), while
@@ -242,12 +259,50 @@ class DecoderSpans:
         looked up in the float32 tables [positions, rope/2] at `positions` [t]. With
         `logits` (only where `ends.head` is set): (hidden, the LM head's logits float32
         [t, vocab], lm_head.logits's values)."""
+        head = self._head(logits)
+        call = self._step_call(ids, positions, cos_table, sin_table, kv_cache, write_slots,
+                               kv_slots, lengths, head)  # fmt: skip
+        self._status(self._step(*call.args))
+        return call.out if head is None else (call.out, call.head_out)
+
+    def greedy_steps(self, ids, positions, cos_table, sin_table, kv_cache, write_slots,
+                     kv_slots, lengths, steps: int, stop_ids: tuple[int, ...] = (),
+                     wake_fd: int | None = None,
+                     budget_s: float = 0.0) -> torch.Tensor:  # fmt: skip
+        """Up to `steps` whole steps in one C call (`step`'s arguments; the LM head bound),
+        each row's next id its greedy token (the logits' first maximum, as the sampler draws
+        at temperature 0), each row one position further and its latent in the next slot of
+        `kv_slots` ([t, >= lengths + steps - 1]). It ends early after a step that drew one of
+        `stop_ids` in any row, once `wake_fd` turns readable, or once `budget_s` seconds have
+        passed since it began (0: no limit). -> int64 [steps run, t],
+        the same tokens and latents as that many `step` calls sampled greedily."""
+        head = self._head(True)
+        if steps < 1:
+            raise ValueError(f"decoder spans: {steps} steps")
+        t = ids.shape[0]
+        if t and kv_slots.shape[1] < int(lengths.max()) + steps - 1:
+            raise ValueError("decoder spans: the slot table has no room for the steps ahead")
+        call = self._step_call(ids, positions, cos_table, sin_table, kv_cache, write_slots,
+                               kv_slots, lengths, head)  # fmt: skip
+        stops = torch.tensor(stop_ids, dtype=torch.long)
+        tokens = torch.empty(steps, t, dtype=torch.long)
+        fd = -1 if wake_fd is None else wake_fd
+        loop = StepLoop(steps, stops.data_ptr(), len(stop_ids), fd, budget_s, tokens.data_ptr())
+        self._status(self._steps(*call.args, ctypes.byref(loop)))
+        return tokens[: loop.ran]
+
+    def _head(self, logits: bool) -> KernelWeight | None:
         if not self.runs_whole():
             raise ValueError("decoder spans: a router's matmul cannot run in C")
-        t, ends = ids.shape[0], self.ends
-        head = ends.head if logits else None
-        if logits and head is None:
+        if logits and self.ends.head is None:
             raise ValueError("decoder spans: no LM head bound")
+        return self.ends.head if logits else None
+
+    def _step_call(self, ids, positions, cos_table, sin_table, kv_cache, write_slots,
+                   kv_slots, lengths, head: KernelWeight | None) -> _StepCall:  # fmt: skip
+        """The C step's arguments and the buffers they point into (the caller holds the
+        result until the call returns)."""
+        t, ends = ids.shape[0], self.ends
         self._check(t, kv_cache, kv_slots)
         ids, positions = ids.to(torch.long).contiguous(), positions.to(torch.long).contiguous()
         vocab, hidden = ends.embed.shape
@@ -256,7 +311,7 @@ class DecoderSpans:
         out = torch.empty(t, hidden, dtype=ends.embed.dtype)
         head_out = None if head is None else torch.empty(t, head.n, dtype=torch.float32)
         step = self._step_struct(t, hidden, kv_cache, write_slots, kv_slots, lengths)
-        status = self._step(
+        args = (
             ctypes.byref(step), self._structs, len(self._layers), ends.sgemm, ids.data_ptr(),
             ends.embed.data_ptr(), vocab, cos_table.data_ptr(), sin_table.data_ptr(),
             cos_table.shape[0], cos_table.shape[1], positions.data_ptr(),
@@ -265,12 +320,16 @@ class DecoderSpans:
             None if head is None else head.address, 0 if head is None else head.n,
             None if head_out is None else head_out.data_ptr(),
         )  # fmt: skip
+        buffers = (ids, positions, x, h, normed, router_logits, step)
+        return _StepCall(args, out, head_out, buffers)
+
+    @staticmethod
+    def _status(status: int) -> None:
         if status == -2:
             raise IndexError("decoder spans: a token id outside the vocabulary or a position "
                              "outside the rope tables")  # fmt: skip
         if status != 0:  # never at the rows a layer binds at (decode_on_kernels)
             raise ValueError(f"decoder step: status {status}")
-        return out if head is None else (out, head_out)
 
     def _check(self, t: int, kv_cache, kv_slots) -> None:
         if t != self.rows:

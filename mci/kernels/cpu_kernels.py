@@ -373,6 +373,9 @@ class CpuKernels:
                                        long, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, ptr,
                                        ptr, ptr, long, ptr]  # fmt: skip
         self._decoder_step.restype = ctypes.c_int
+        self._decode_steps = lib.mci_decode_steps
+        self._decode_steps.argtypes = [*self._decoder_step.argtypes, ptr]
+        self._decode_steps.restype = ctypes.c_int
 
     def prefill_attention(
         self,

@@ -343,6 +343,37 @@ class DeepseekV3ForCausalLM(nn.Module):
         _, logits = self._whole_step(spans, input_ids, meta, kv_cache, logits=True)
         return logits
 
+    def decode_greedy(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        slots_ahead: torch.Tensor,
+        steps: int,
+        stop_ids: tuple[int, ...] = (),
+        wake_fd: int | None = None,
+        budget_s: float = 0.0,
+    ) -> torch.Tensor | None:
+        """Up to `steps` decode steps from this one (`decode_logits`' step), in one kernel call
+        where that step runs whole on the kernels, each row's next input its greedy token
+        (`DecoderSpans.greedy_steps`: it ends early after a step that drew one of `stop_ids`,
+        once `wake_fd` is readable, or past `budget_s`). `slots_ahead` [rows, >= context +
+        steps - 1]: each row's context slots, then those of its next positions. -> int64
+        [steps run, rows], the tokens `sample` draws at temperature 0 from as many
+        `decode_logits` steps, the same latents written; None (nothing run) elsewhere."""
+        absorbed = self.resolve_path(meta, "auto")
+        spans = self._decode_on_kernels(input_ids.shape[0], meta, absorbed, kv_cache)
+        if spans is None or not spans.runs_whole() or spans.ends.head is None:
+            return None
+        if slots_ahead.stride(1) != 1:
+            return None
+        group = meta.groups[0]
+        tables = self.rotary.tables(meta.max_position + steps - 1)
+        return spans.greedy_steps(
+            input_ids, meta.positions, *tables, kv_cache, meta.write_slots, slots_ahead,
+            group.lengths, steps, stop_ids, wake_fd, budget_s,
+        )  # fmt: skip
+
     def _whole_step(self, spans: DecoderSpans, input_ids, meta, kv_cache, logits=False):
         """`spans.step` on the step's ids, positions, rope tables and decode group's slots."""
         group, tables = meta.groups[0], self.rotary.tables(meta.max_position)

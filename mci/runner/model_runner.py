@@ -10,11 +10,17 @@ from __future__ import annotations
 import torch
 
 from mci.core.batch import SampleResult, ScheduledBatch
-from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk
+from mci.layers.attention_metadata import AttentionMetadata, SequenceChunk, stack_slots
 from mci.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mci.runner.sampler import SampleRow, sample, score_prompts
 from mci.speculative.speculator import Speculator
 from mci.speculative.verify import accepted_length
+
+# A call of several decode steps ends after the step that passes this much time (the steps
+# left are scheduled again): a request that ended in the call on a stop string (the C loop
+# does not see text) waits this long at most for its last output, and its row's extra steps
+# cost no more. A lone stream of `small` (~1 ms a step) is not held back by it at 32 steps.
+DECODE_CALL_BUDGET_S = 0.05
 
 
 class ModelRunner:
@@ -40,6 +46,9 @@ class ModelRunner:
         self.speculator = speculator
         self.device = model.lm_head.weight.device
         self.forwards = 0  # main-model forwards run (data-parallel attention pairs them up)
+        # readable while a command waits for the engine: a call of several decode steps ends
+        # after the step in flight (None: it runs them all)
+        self.wake_fd: int | None = None
 
     def execute(self, batch: ScheduledBatch) -> SampleResult:
         """Forward the batch, then sample each sampling item (verifying its drafts), score each
@@ -71,6 +80,10 @@ class ModelRunner:
         meta = AttentionMetadata.build(chunks, self.device, self.model.attention_layout)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         if not score_rows and self.speculator is None and len(sample_rows) == offset:
+            if batch.decode_steps > 1:
+                result = self._greedy_steps(batch, input_ids, meta)
+                if result is not None:
+                    return result
             # every row samples (a decode step): forward and logits in one kernel call
             logits = self.model.decode_logits(input_ids, meta, self.kv_cache)
             if logits is not None:  # on the CPU: the kernels ran it
@@ -100,6 +113,28 @@ class ModelRunner:
 
             result.prompt_logprobs.extend(score_prompts(logits_of, batch.scoring_items))
         return result
+
+    def _greedy_steps(self, batch: ScheduledBatch, input_ids, meta) -> SampleResult | None:
+        """Up to `batch.decode_steps` decode steps in one kernel call (`decode_greedy`), each
+        item's tokens one per step run; None where the model cannot (one step runs instead).
+        The call ends early after a step that drew a token ending some item (a stop token, or
+        EOS where it counts), once `wake_fd` is readable, or past DECODE_CALL_BUDGET_S."""
+        steps, items = batch.decode_steps, batch.items
+        slots = [item.request.slots[: item.start + steps] for item in items]
+        ahead = stack_slots(slots, max(int(s.shape[0]) for s in slots))
+        stops = set()
+        for item in items:
+            params = item.request.params
+            stops.update(params.stop_token_ids, () if params.ignore_eos else self.eos_ids)
+        tokens = self.model.decode_greedy(
+            input_ids, meta, self.kv_cache, ahead, steps, tuple(sorted(stops)), self.wake_fd,
+            DECODE_CALL_BUDGET_S,
+        )  # fmt: skip
+        if tokens is None:
+            return None
+        self.forwards += tokens.shape[0]
+        per_item = tokens.t().tolist()
+        return SampleResult(per_item, [[None] * len(t) for t in per_item])
 
     def _sample_and_verify(self, batch: ScheduledBatch, logits: torch.Tensor | None):
         """Sample every sampling row in one call (a drafted position as if the drafts before

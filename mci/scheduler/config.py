@@ -22,6 +22,12 @@ class SchedulerConfig:
         ["lpm", "fcfs", "fair"],
     )
     decode_reserve_tokens: int = option(16, "KV tokens kept free per running request at admission")
+    num_scheduler_steps: int = option(
+        16,
+        "most decode steps run in one kernel call when every running request decodes greedily "
+        "and none waits (their tokens streamed together; a new command ends the call after "
+        "the step in flight); 1 disables",
+    )
     enable_jump_forward: bool = option(
         False,
         "structured output: append the text a grammar forces (e.g. a fixed key) without a "
@@ -34,6 +40,8 @@ class SchedulerConfig:
             raise UserError("--max-running-requests and --max-prefill-tokens must be >= 1")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise UserError("--chunked-prefill-size must be positive, or -1 to disable")
+        if self.num_scheduler_steps < 1:
+            raise UserError("--num-scheduler-steps must be >= 1")
         if self.decode_reserve_tokens < 0:
             raise UserError("--decode-reserve-tokens must be >= 0")
 
