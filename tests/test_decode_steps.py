@@ -7,12 +7,14 @@ from __future__ import annotations
 import dataclasses
 import select
 import threading
+import time
 
 import pytest
 import torch
 from engine_helpers import drive
 
 from mci.cache.config import CacheConfig
+from mci.core.batch import ScheduledItem
 from mci.core.request import Request
 from mci.core.sampling_params import SamplingParams
 from mci.engine.builder import build_engine_core
@@ -20,15 +22,9 @@ from mci.engine.config import EngineConfig, ModelPlacement
 from mci.engine.engine import Engine
 from mci.engine.loop import QueueInbox
 from mci.models.loader import load_model
-from mci.runner import model_runner
 from mci.scheduler.config import SchedulerConfig
+from mci.scheduler.steps_ahead import steps_ahead
 from mci.tokenizer import TextTokenizer
-
-
-@pytest.fixture(autouse=True)
-def no_time_budget(monkeypatch):
-    """Calls end by their step count, not by the clock (the counts below are exact)."""
-    monkeypatch.setattr(model_runner, "DECODE_CALL_BUDGET_S", 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +50,22 @@ def _prompts(n: int) -> list[list[int]]:
                           generator=gen).tolist() for _ in range(n)]  # fmt: skip
 
 
-def _run(setup, steps: int, params: list[SamplingParams], arrivals: list[int], same=(), **config):
+def _run(
+    setup,
+    steps: int,
+    params: list[SamplingParams],
+    arrivals: list[int],
+    same=(),
+    budget=0.0,
+    **config,
+):
     """The requests (prompt i with params i, added at step arrivals[i]; the indices in `same`
     take prompt 0) through an engine core, stepped to the end (drive checks the pool and the
-    tree after); -> (final outputs by id, the core)."""
+    tree after). `budget`: each call's time budget (0: calls end by their step counts, which
+    the tests count). -> (final outputs by id, the core)."""
     path, model, tok = setup
     core = build_engine_core(_config(path, steps, **config), model, tok)
+    core.runner.decode_call_budget_s = budget
     by_step: dict[int, list[Request]] = {}
     prompts = _prompts(len(params))
     prompts = [prompts[0] if i in same else p for i, p in enumerate(prompts)]
@@ -105,6 +111,9 @@ def test_several_decode_steps_a_call_give_the_outputs_of_one_at_a_time(setup):
     one, _ = _run(setup, 1, plain, [0, 0, 1, 1, 2], same=(1, 2))
     assert one["r1"][1:3] == ("stop", ids[12]) and one["r2"][1] == "stop"
     assert len(one["r2"][0]) < 40
+    # alone, the stop string ends it inside a call: the steps after it are dropped
+    alone = [_run(setup, steps, plain[2:3], [0], budget=0.0)[0]["r0"] for steps in (1, 8)]
+    assert alone[0] == alone[1] == one["r2"]
     # a lone stream: every step after its first token runs 8 decode steps a call, none in vain
     alone, core = _run(setup, 8, [_greedy(41, ignore_eos=True)], [0])
     assert alone["r0"][0][:40] == ids
@@ -114,17 +123,18 @@ def test_several_decode_steps_a_call_give_the_outputs_of_one_at_a_time(setup):
 
 def test_steps_ahead_take_only_free_slots_and_wait_for_no_waiting_request(setup):
     """The steps ahead take slots only where the pool has them free, never evicting the tree
-    or preempting for them: in a pool of 70 slots, where a finished request's 38 stay in the
-    tree, a request of 41 tokens runs fewer steps ahead than in a wide pool, and nothing is
+    or preempting for them: in a pool of 60 slots, where a finished request's 38 stay in the
+    tree, a request of 41 tokens runs shorter calls than in a wide pool, and nothing is
     preempted. With a request waiting for admission (at most 2 running), every step runs one
     decode step until it is admitted. The outputs are those of one step at a time."""
     params = [_greedy(30, ignore_eos=True), _greedy(10, ignore_eos=True)]
-    one, _ = _run(setup, 1, params, [0, 0], max_total_tokens=70)
-    tight, core_tight = _run(setup, 8, params, [0, 0], max_total_tokens=70)
+    one, _ = _run(setup, 1, params, [0, 0], max_total_tokens=60)
+    tight, core_tight = _run(setup, 8, params, [0, 0], max_total_tokens=60)
     wide, core_wide = _run(setup, 8, params, [0, 0])
     assert tight == wide == one
-    ahead = core_tight.counters["decode_steps_ahead"]
-    assert 0 < ahead < core_wide.counters["decode_steps_ahead"]
+    calls = [c.runner.forwards - c.counters["decode_steps_ahead"] for c in (core_tight, core_wide)]
+    assert core_tight.counters["decode_steps_ahead"] > 0
+    assert calls[0] > calls[1]  # shorter calls: as many steps ahead as the free slots allow
     assert core_tight.counters["preemptions"] == 0
     params = [_greedy(30, ignore_eos=True)] * 3
     # the third waits while the first two decode (30 tokens each): their steps are single
@@ -132,6 +142,36 @@ def test_steps_ahead_take_only_free_slots_and_wait_for_no_waiting_request(setup)
     queued, core = _run(setup, 8, params, [0, 0, 0], max_running_requests=2)
     assert queued == _run(setup, 1, params, [0, 0, 0], max_running_requests=2)[0]
     assert core.counters["decode_steps_ahead"] == 29 - 29 // 8 - (29 % 8 > 0)
+
+
+def _decoding(prompt_len: int, params: SamplingParams, generated: int = 1) -> ScheduledItem:
+    """The item of a request decoding after `generated` tokens (its KV computed)."""
+    req = Request("r", list(range(10, 10 + prompt_len)), params)
+    for token in range(generated):
+        req.append_token(100 + token)
+    req.num_computed_tokens = req.num_tokens - 1
+    return ScheduledItem.plan(req, 1)
+
+
+def test_the_steps_a_step_may_run():
+    """steps_ahead: up to the most, the fewest tokens left and the free slots per item; one
+    step for a prompt chunk, a first token, a request not greedy as it is, and, in a batch
+    of several, a request with stop strings (alone it may)."""
+    plain = _decoding(5, _greedy(20))
+    assert steps_ahead([plain], 16, 1000) == 16
+    assert steps_ahead([plain, _decoding(3, _greedy(8), generated=2)], 16, 1000) == 6
+    assert steps_ahead([plain, plain], 16, 9) == 5  # 9 free slots: 4 more for each
+    assert steps_ahead([plain], 1, 1000) == 1 and steps_ahead([], 16, 1000) == 1
+    stop = _decoding(5, _greedy(20, stop=("xy",)))
+    assert steps_ahead([stop], 16, 1000) == 16 and steps_ahead([stop, plain], 16, 1000) == 1
+    first = _decoding(5, _greedy(20), generated=0)
+    sampled = _decoding(5, SamplingParams(max_new_tokens=20, temperature=0.5))
+    for odd in (first, sampled, _decoding(5, _greedy(20, logprobs=1)),
+                _decoding(5, _greedy(20, min_new_tokens=3)),
+                _decoding(5, _greedy(20, repetition_penalty=1.1))):  # fmt: skip
+        assert steps_ahead([plain, odd], 16, 1000) == 1
+    chunk = Request("c", list(range(10, 40)), _greedy(20))
+    assert steps_ahead([ScheduledItem.plan(chunk, 30)], 16, 1000) == 1
 
 
 def test_a_first_token_comes_alone_from_its_step(setup):
@@ -147,14 +187,32 @@ def test_a_first_token_comes_alone_from_its_step(setup):
     core.check_idle_integrity()
 
 
-def test_a_call_ends_after_the_step_that_passes_its_time_budget(setup, monkeypatch):
+def test_a_call_ends_after_the_step_that_passes_its_time_budget(setup):
     """With a budget a step outlasts, every call runs one step: no step ahead, the same
     outputs, the slots taken for the steps ahead given back."""
-    monkeypatch.setattr(model_runner, "DECODE_CALL_BUDGET_S", 1e-9)
     params = [_greedy(30, ignore_eos=True)] * 2
-    budgeted, core = _run(setup, 8, params, [0, 0])
+    budgeted, core = _run(setup, 8, params, [0, 0], budget=1e-9)
     assert budgeted == _run(setup, 1, params, [0, 0])[0]
     assert core.counters["decode_steps_ahead"] == 0 and core.runner.forwards == 1 + 29
+
+
+def test_a_deadline_ends_a_call(setup):
+    """A call runs no further than the first deadline among its requests: a request due in
+    0.01 s, in calls of up to 1,500 steps with no time budget, is aborted at its deadline
+    with fewer tokens than one call would have made, and the pool is whole."""
+    path, model, tok = setup
+    core = build_engine_core(_config(path, 1500), model, tok)
+    core.runner.decode_call_budget_s = 0.0
+    req = Request("due", _prompts(1)[0], _greedy(1500, ignore_eos=True))
+    core.add_request(req)
+    core.step()  # its prefill and first token
+    req.deadline = time.monotonic() + 0.01
+    finals = []
+    while core.has_work:
+        finals += [out for out in core.step() if out.finished]
+    assert [out.finish_reason for out in finals] == ["abort"]
+    assert 1 < len(req.output_ids) < 1500
+    core.check_idle_integrity()
 
 
 def test_a_command_ends_a_call_of_decode_steps_after_the_step_in_flight(setup):
@@ -179,6 +237,7 @@ def test_a_command_ends_a_call_of_decode_steps_after_the_step_in_flight(setup):
     model.decode_greedy = recorded
     try:
         with Engine(_config(path, 1500), model, tok) as engine:
+            engine.core.runner.decode_call_budget_s = 0.0  # ended by the command alone
             done = threading.Event()
             results: dict[str, list[int]] = {}
 

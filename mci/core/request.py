@@ -185,21 +185,29 @@ class Request:
         self.output_ids.append(token_id)
         self.token_ids.append(token_id)
 
+    def logits_as_they_come(self, output_position: int) -> bool:
+        """Whether output token `output_position` is drawn from the model's logits as they
+        come: no logit_bias, penalties, grammar mask, or stop tokens masked before
+        min_tokens (runner/sampler.py skips its passes over such a row)."""
+        p = self.params
+        return not (
+            p.logit_bias
+            or p.has_penalties
+            or output_position < p.min_new_tokens
+            or self.grammar is not None
+        )
+
     @property
     def greedy_as_is(self) -> bool:
-        """Its next token is its logits' first maximum as they come, and nothing but the token
-        is reported: greedy, and no logit_bias, penalties, grammar, stop tokens masked before
-        min_tokens, logprobs or drafts (runner/sampler.py draws such a row with no pass over
-        its logits but the argmax)."""
+        """Its next tokens are its logits' first maxima as they come (from here on: greedy,
+        its logits as they come past min_tokens), and nothing but the tokens is reported (no
+        logprobs) or verified (no drafts)."""
         p = self.params
         return (
             p.greedy
             and p.logprobs is None
-            and not p.logit_bias
-            and not p.has_penalties
-            and self.grammar is None
             and not self.draft_ids
-            and len(self.output_ids) >= p.min_new_tokens
+            and self.logits_as_they_come(len(self.output_ids))
         )
 
     @property

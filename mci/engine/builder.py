@@ -163,9 +163,16 @@ def build_engine_core(
     # MTP latents need a matched prefix's last position computed again (see mci/speculative/mtp.py)
     kv = KVCacheManager(pool, radix, match_margin=1 if with_mtp else 0)
     outputs = OutputProcessor(tokenizer, eos_ids, config.scheduler.enable_jump_forward)
-    scheduler = Scheduler(config.scheduler, kv, outputs)
-    if spec.enabled or model.parallel.world_size > 1:
-        scheduler.decode_steps = 1  # the runner runs one step: drafts, or ranks in lockstep
+    # several decode steps a call run where a decode step runs whole on the CPU kernels: one
+    # rank, no drafts to verify, and not batch-invariant (its routers run in torch)
+    steps_ahead = (
+        device.type == "cpu"
+        and model.parallel.world_size == 1
+        and not spec.enabled
+        and not (config.model.deterministic or model.batch_invariant)
+    )
+    decode_steps = config.scheduler.num_scheduler_steps if steps_ahead else 1
+    scheduler = Scheduler(config.scheduler, kv, outputs, decode_steps)
     # Chained MTP drafts write latents of unverified positions: to scratch slots after the
     # pool's, a row of num_steps per request that can share a step (see mci/speculative/mtp.py).
     scratch_cols = spec.num_steps if with_mtp else 0

@@ -322,6 +322,7 @@ class Engine:
             self._thread.join(timeout=30)
         else:
             self._loop.stop("engine shut down")
+        self.core.wake_on(None)  # the inbox's descriptor closes with it
         self._parts.close()
 
     def __enter__(self):

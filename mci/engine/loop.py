@@ -56,32 +56,41 @@ class Inbox(Protocol):
 
 class QueueInbox:
     """Commands from any thread, through a thread-safe queue; an eventfd counts them in, so
-    that `wake_fd` is readable while one waits."""
+    that `wake_fd` is readable while one waits (None where the system has no eventfd)."""
 
     def __init__(self):
         self._queue: queue.Queue[Delivery] = queue.Queue()
-        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        weakref.finalize(self, os.close, self.wake_fd)  # open as long as the inbox is
+        self.wake_fd: int | None = None
+        if hasattr(os, "eventfd"):  # Linux
+            self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            weakref.finalize(self, os.close, self.wake_fd)  # open as long as the inbox is
 
     def put(self, command: LoopCommand, sink: Sink | None = None) -> None:
-        self._queue.put((command, sink))  # queued before the count: `take` sees it
-        os.eventfd_write(self.wake_fd, 1)
+        self._queue.put((command, sink))  # queued before it is counted: `take` sees it
+        if self.wake_fd is not None:
+            os.eventfd_write(self.wake_fd, 1)
 
     def take(self, wait: bool) -> list[Delivery]:
-        try:  # the count first: a command put after this read stays counted
-            os.eventfd_read(self.wake_fd)
-        except BlockingIOError:
-            pass
+        self._uncount()
         deliveries = []
         try:
-            deliveries.append(
-                self._queue.get(timeout=IDLE_WAIT_S) if wait else self._queue.get_nowait()
-            )
+            if wait:  # counted while blocked: taken now, so uncounted
+                deliveries.append(self._queue.get(timeout=IDLE_WAIT_S))
+                self._uncount()
             while True:
                 deliveries.append(self._queue.get_nowait())
         except queue.Empty:
             pass
         return deliveries
+
+    def _uncount(self) -> None:
+        """Zero the count before draining the queue: a command put after this stays
+        counted, and one put before is drained."""
+        if self.wake_fd is not None:
+            try:
+                os.eventfd_read(self.wake_fd)
+            except BlockingIOError:
+                pass
 
 
 class EngineLoop:

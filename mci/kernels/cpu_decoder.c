@@ -12,8 +12,7 @@
  * sgemm torch's F.linear calls; `mci_decoder_span` alone leaves them to the caller's torch.
  *
  * `mci_decode_steps` runs several whole steps of greedy decoding, each step's tokens the next
- * one's input, without returning to Python between them (a lone stream's step spent ~0.2 ms of
- * ~1.4 in Python and the hand-off to the front end).
+ * one's input, without returning to Python between them (mci/scheduler/steps_ahead.py).
  *
  * Every step is the same C function the Python path calls, on the same values, and each sum
  * adds the same two float32 values as torch's `h + ffn`: the result is bit-identical to that

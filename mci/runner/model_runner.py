@@ -7,6 +7,8 @@ of each request's buffer.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from mci.core.batch import SampleResult, ScheduledBatch
@@ -17,9 +19,9 @@ from mci.speculative.speculator import Speculator
 from mci.speculative.verify import accepted_length
 
 # A call of several decode steps ends after the step that passes this much time (the steps
-# left are scheduled again): a request that ended in the call on a stop string (the C loop
-# does not see text) waits this long at most for its last output, and its row's extra steps
-# cost no more. A lone stream of `small` (~1 ms a step) is not held back by it at 32 steps.
+# left are scheduled again): a lone stream that ended in the call on a stop string (the C loop
+# does not see text) waits this long at most for its last output, and its extra steps cost
+# no more; so does a deadline. `small`'s ~1 ms steps run 16 a call well inside it.
 DECODE_CALL_BUDGET_S = 0.05
 
 
@@ -49,6 +51,7 @@ class ModelRunner:
         # readable while a command waits for the engine: a call of several decode steps ends
         # after the step in flight (None: it runs them all)
         self.wake_fd: int | None = None
+        self.decode_call_budget_s = DECODE_CALL_BUDGET_S  # 0: a call ends by its steps only
 
     def execute(self, batch: ScheduledBatch) -> SampleResult:
         """Forward the batch, then sample each sampling item (verifying its drafts), score each
@@ -118,17 +121,22 @@ class ModelRunner:
         """Up to `batch.decode_steps` decode steps in one kernel call (`decode_greedy`), each
         item's tokens one per step run; None where the model cannot (one step runs instead).
         The call ends early after a step that drew a token ending some item (a stop token, or
-        EOS where it counts), once `wake_fd` is readable, or past DECODE_CALL_BUDGET_S."""
+        EOS where it counts), once `wake_fd` is readable, or past its time budget (and
+        before a deadline)."""
         steps, items = batch.decode_steps, batch.items
         slots = [item.request.slots[: item.start + steps] for item in items]
         ahead = stack_slots(slots, max(int(s.shape[0]) for s in slots))
-        stops = set()
+        stops, budget = set(), self.decode_call_budget_s
+        deadlines = [item.request.deadline for item in items if item.request.deadline]
+        if deadlines:  # the first deadline ends the call too (past it: after one step)
+            left = max(1e-6, min(deadlines) - time.monotonic())
+            budget = left if budget == 0 else min(budget, left)
         for item in items:
             params = item.request.params
             stops.update(params.stop_token_ids, () if params.ignore_eos else self.eos_ids)
         tokens = self.model.decode_greedy(
             input_ids, meta, self.kv_cache, ahead, steps, tuple(sorted(stops)), self.wake_fd,
-            DECODE_CALL_BUDGET_S,
+            budget,
         )  # fmt: skip
         if tokens is None:
             return None

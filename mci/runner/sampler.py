@@ -145,13 +145,7 @@ def _processed(row: SampleRow) -> bool:
     """Whether a row's logits may change before the draw (logit_bias, penalties, stop tokens
     masked before min_tokens, a grammar): a step of plain rows skips the copy and the passes
     (each a few microseconds between the weight-streaming kernels, which leave caches cold)."""
-    p = row.request.params
-    return bool(
-        p.logit_bias
-        or p.has_penalties
-        or row.output_position < p.min_new_tokens
-        or row.request.grammar is not None
-    )
+    return not row.request.logits_as_they_come(row.output_position)
 
 
 def sample(

@@ -41,6 +41,7 @@ from mci.scheduler.handoff import (
     SlotsSafe,
 )
 from mci.scheduler.output_processor import OutputProcessor
+from mci.scheduler.steps_ahead import steps_ahead
 
 log = logging.getLogger("mci")
 
@@ -64,7 +65,11 @@ class Scheduler:
     """Owns the request queues and their KV memory; plans steps and applies their results."""
 
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, output_processor: OutputProcessor
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        output_processor: OutputProcessor,
+        decode_steps: int | None = None,
     ):
         self.config = config
         self.kv = kv
@@ -75,9 +80,9 @@ class Scheduler:
         self.handoff: KVHandoff | None = None  # disaggregation's seam (None: colocated)
         self.counters: Counter[str] = Counter()  # transitions and token counts, for metrics
         self.fair = VirtualTokenCounter()  # kept under every policy; `fair` orders by it
-        # most decode steps a step may run (`_plan_ahead`); the builder sets 1 where the
-        # runner could never run more (speculation, several ranks)
-        self.decode_steps = config.num_scheduler_steps
+        # most decode steps a step may run (`_plan_ahead`): the config's, or what the
+        # builder allows (1 where the runner never runs more: drafts, ranks, no CPU kernels)
+        self.decode_steps = config.num_scheduler_steps if decode_steps is None else decode_steps
         # requests waiting or running, per tenant: kept as they come and go, so that an
         # arrival does not scan both queues
         self._in_queues: Counter[str] = Counter()
@@ -150,25 +155,14 @@ class Scheduler:
         return batch
 
     def _plan_ahead(self, batch: ScheduledBatch) -> None:
-        """Let the step run several decode steps (vLLM's multi-step scheduling): where every
-        running request decodes greedily as it is, past its first token, and nothing waits
-        for admission, each gets slots for the steps ahead now, up to its token limit. A lone
-        stream's step spent ~0.2 ms of ~1.4 in Python and the hand-off to the front end;
-        this pays them once a call. The tokens are the same (the same kernels on the same
-        inputs); they reach the stream together. A request arriving meanwhile waits for the
-        step in flight only: the runner's wake-up ends the call (engine/core.py `wake_on`).
-        Slots are taken only from free ones: the steps ahead never evict or preempt."""
-        steps = self.decode_steps
-        if steps <= 1 or self.waiting or self.receiving or self.handoff is not None:
+        """Let the step run several decode steps in one call (scheduler/steps_ahead.py) while
+        no request waits for admission: slots for the steps ahead, from free ones. A request
+        arriving meanwhile waits for the step in flight only: the inbox's wake-up ends the
+        call (`StepCore.wake_on`)."""
+        if self.waiting or self.receiving or self.handoff is not None:
             return
-        for item in batch.items:
-            req = item.request
-            if item.num_new != 1 or not item.sample or not req.output_ids:
-                return  # a prompt chunk, or a first token (its TTFT waits for nothing)
-            if not req.greedy_as_is:
-                return
-            steps = min(steps, req.params.max_new_tokens - len(req.output_ids))
-        if steps <= 1 or self.kv.pool.num_free < (steps - 1) * len(batch.items):
+        steps = steps_ahead(batch.items, self.decode_steps, self.kv.pool.num_free)
+        if steps <= 1:
             return
         for item in batch.items:
             if not self.kv.allocate(item.request, steps - 1):  # cannot fail: they are free
@@ -347,6 +341,8 @@ class Scheduler:
         for item, scores in zip(batch.scoring_items, result.prompt_logprobs, strict=True):
             item.request.prompt_logprobs += scores
         outputs = []
+        if batch.decode_steps > 1 and result.token_ids:  # steps run past the first in the call
+            self.counters["decode_steps_ahead"] += len(result.token_ids[0]) - 1
         for item in batch.items:
             req = item.request
             req.num_computed_tokens += item.num_new - len(item.draft_ids)  # drafts: below
@@ -385,9 +381,7 @@ class Scheduler:
 
         Position start + j (j >= 1) was computed from draft j; its latent is right iff that
         draft was accepted and appended (the request may have finished earlier in the step)."""
-        req = item.request
-        req.num_computed_tokens += min(accepted, appended)
-        self.kv.drop_unverified(req)
+        self._keep_computed(item.request, accepted, appended)
         self.counters["spec_decode_num_drafts"] += 1
         self.counters["spec_decode_num_draft_tokens"] += len(item.draft_ids)
         self.counters["spec_decode_num_accepted_tokens"] += accepted
@@ -398,12 +392,17 @@ class Scheduler:
         """After `ran` decode steps of one call: position start + j (j >= 1) was computed
         from the token step j - 1 drew; keep its latent if that token was appended (the
         request may have finished earlier), and free the slots of the steps not run. Its
-        tenant is charged for the steps past the first (`_plan` charged that one)."""
+        tenant is charged for the tokens it got past the first (`_plan` charged that one)."""
         req = item.request
-        req.num_computed_tokens += min(ran - 1, appended)
+        self._keep_computed(req, ran - 1, appended)
+        self.fair.charge(req.share.tenant, 0, max(0, min(ran, appended) - 1))
+
+    def _keep_computed(self, req: Request, extra: int, appended: int) -> None:
+        """The step computed `extra` positions past the item's known tokens, each from the
+        token before it: keep those whose token was appended (`appended` of them came out),
+        free the rest's slots."""
+        req.num_computed_tokens += min(extra, appended)
         self.kv.drop_unverified(req)
-        self.fair.charge(req.share.tenant, 0, ran - 1)
-        self.counters["decode_steps_ahead"] += ran - 1
 
     def _retire(self, req: Request) -> None:
         self.counters[f"finished_{req.finish_reason}"] += 1
