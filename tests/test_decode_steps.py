@@ -4,6 +4,7 @@ meanwhile ends the call after the step in flight."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import select
 import threading
@@ -80,6 +81,26 @@ def _greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0, **kw)
 
 
+@contextlib.contextmanager
+def _recorded_calls(model, on_call=None):
+    """`model.decode_greedy` recorded: yields the list of (steps asked, steps run) of each
+    call; `on_call()` runs as each call begins."""
+    calls, greedy = [], model.decode_greedy
+
+    def recorded(*args):
+        if on_call is not None:
+            on_call()
+        tokens = greedy(*args)
+        calls.append((args[4], 0 if tokens is None else tokens.shape[0]))
+        return tokens
+
+    model.decode_greedy = recorded
+    try:
+        yield calls
+    finally:
+        del model.decode_greedy  # the class's method again
+
+
 def test_several_decode_steps_a_call_give_the_outputs_of_one_at_a_time(setup):
     """Greedy requests that end on a stop id (the call ends there), on a stop string inside a
     call (the steps after it are dropped, their slots freed), at min_tokens' end, at their
@@ -111,9 +132,14 @@ def test_several_decode_steps_a_call_give_the_outputs_of_one_at_a_time(setup):
     one, _ = _run(setup, 1, plain, [0, 0, 1, 1, 2], same=(1, 2))
     assert one["r1"][1:3] == ("stop", ids[12]) and one["r2"][1] == "stop"
     assert len(one["r2"][0]) < 40
-    # alone, the stop string ends it inside a call: the steps after it are dropped
-    alone = [_run(setup, steps, plain[2:3], [0], budget=0.0)[0]["r0"] for steps in (1, 8)]
-    assert alone[0] == alone[1] == one["r2"]
+    # alone, the stop string ends it inside a call: the steps after it are dropped, and
+    # its tenant is charged for the tokens it got, as one step at a time charges
+    runs = [_run(setup, steps, plain[2:3], [0], same=(0,)) for steps in (1, 8)]
+    assert runs[0][0] == runs[1][0] and runs[0][0]["r0"] == one["r2"]
+    assert runs[1][1].counters["decode_steps_ahead"] > 0
+    assert [c.scheduler.fair.snapshot() for _, c in runs] == [
+        runs[0][1].scheduler.fair.snapshot()
+    ] * 2
     # a lone stream: every step after its first token runs 8 decode steps a call, none in vain
     alone, core = _run(setup, 8, [_greedy(41, ignore_eos=True)], [0])
     assert alone["r0"][0][:40] == ids
@@ -191,8 +217,10 @@ def test_a_call_ends_after_the_step_that_passes_its_time_budget(setup):
     """With a budget a step outlasts, every call runs one step: no step ahead, the same
     outputs, the slots taken for the steps ahead given back."""
     params = [_greedy(30, ignore_eos=True)] * 2
-    budgeted, core = _run(setup, 8, params, [0, 0], budget=1e-9)
+    with _recorded_calls(setup[1]) as calls:
+        budgeted, core = _run(setup, 8, params, [0, 0], budget=1e-9)
     assert budgeted == _run(setup, 1, params, [0, 0])[0]
+    assert calls and all(asked > 1 and ran == 1 for asked, ran in calls)
     assert core.counters["decode_steps_ahead"] == 0 and core.runner.forwards == 1 + 29
 
 
@@ -211,7 +239,7 @@ def test_a_deadline_ends_a_call(setup):
     while core.has_work:
         finals += [out for out in core.step() if out.finished]
     assert [out.finish_reason for out in finals] == ["abort"]
-    assert 1 < len(req.output_ids) < 1500
+    assert 1 < len(req.output_ids) < 1500 and core.counters["decode_steps_ahead"] > 0
     core.check_idle_integrity()
 
 
@@ -220,22 +248,13 @@ def test_a_command_ends_a_call_of_decode_steps_after_the_step_in_flight(setup):
     request put while a lone stream runs a call of up to 1,500 decode steps ends that call
     early (its steps ran < asked), and both requests end as they do alone."""
     path, model, tok = setup
-    calls, started = [], threading.Event()
-    greedy = model.decode_greedy
-
-    def recorded(*args):
-        started.set()  # the second request is put from here on, during the call
-        tokens = greedy(*args)
-        calls.append((args[4], 0 if tokens is None else tokens.shape[0]))  # (asked, ran)
-        return tokens
-
+    started = threading.Event()  # the second request is put from here on, during a call
     long_p, short_p = _greedy(1500, ignore_eos=True), _greedy(5, ignore_eos=True)
     prompts = _prompts(2)
     with Engine(_config(path, 1), model, tok) as engine:
         alone = [engine.generate([p], params)[0].outputs[0].output_token_ids
                  for p, params in zip(prompts, (long_p, short_p), strict=True)]  # fmt: skip
-    model.decode_greedy = recorded
-    try:
+    with _recorded_calls(model, started.set) as calls:
         with Engine(_config(path, 1500), model, tok) as engine:
             engine.core.runner.decode_call_budget_s = 0.0  # ended by the command alone
             done = threading.Event()
@@ -251,8 +270,6 @@ def test_a_command_ends_a_call_of_decode_steps_after_the_step_in_flight(setup):
             assert started.wait(60)
             engine.add_request(prompts[1], short_p, sink, request_id="short")
             assert done.wait(120)
-    finally:
-        del model.decode_greedy  # the class's method again
     assert results == {"long": alone[0], "short": alone[1]}
     assert any(0 < ran < steps for steps, ran in calls[:3]), calls[:3]
     assert engine.core.kv.pool.num_free + engine.core.kv.radix.total_tokens == (
@@ -261,8 +278,11 @@ def test_a_command_ends_a_call_of_decode_steps_after_the_step_in_flight(setup):
 
 
 def test_the_queue_inbox_is_readable_while_a_command_waits():
-    """QueueInbox's eventfd: readable once a command is put, not after `take` took it."""
+    """QueueInbox's eventfd: readable once a command is put, not after `take` took it,
+    whether `take` found it at once or waited for it."""
     inbox = QueueInbox()
+    if inbox.wake_fd is None:
+        pytest.skip("no eventfd on this system: calls end by their steps and budget")
     poller = select.poll()
     poller.register(inbox.wake_fd, select.POLLIN)
     assert not poller.poll(0)
@@ -270,6 +290,33 @@ def test_the_queue_inbox_is_readable_while_a_command_waits():
     assert poller.poll(0)
     assert inbox.take(wait=False) == [("command", None)]
     assert not poller.poll(0)
+    late = threading.Timer(0.01, inbox.put, ("late",))
+    late.start()
+    assert inbox.take(wait=True) == [("late", None)]  # put while take waited
+    late.join()
+    assert not poller.poll(0)
+
+
+def test_the_builder_runs_one_step_a_call_where_a_step_cannot_run_whole(setup, checkpoint):
+    """Several steps a call only where a decode step runs whole on the CPU kernels: bf16
+    weights, no speculative decoding, not --deterministic; elsewhere the scheduler plans
+    one step (no slots taken ahead to be given back)."""
+    path, model, tok = setup
+    config = _config(path, 8)
+    assert build_engine_core(config, model, tok).scheduler.decode_steps == 8
+    spec = dataclasses.replace(config.speculative, speculative_algorithm="ngram")
+    deterministic = dataclasses.replace(config.model, deterministic=True)
+    for changed in (dict(speculative=spec), dict(model=deterministic)):
+        core = build_engine_core(dataclasses.replace(config, **changed), model, tok)
+        assert core.scheduler.decode_steps == 1, changed
+    model.set_batch_invariant(False)  # the shared model back on its default path
+    path32 = checkpoint()
+    core = build_engine_core(
+        dataclasses.replace(config, model=dataclasses.replace(config.model, model_path=path32,
+                                                              dtype="float32")),
+        load_model(path32, "float32"), TextTokenizer.load(path32),
+    )  # fmt: skip
+    assert core.scheduler.decode_steps == 1
 
 
 def test_served_streams_carry_several_tokens_a_chunk_with_the_same_text(checkpoint):

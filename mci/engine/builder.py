@@ -163,13 +163,15 @@ def build_engine_core(
     # MTP latents need a matched prefix's last position computed again (see mci/speculative/mtp.py)
     kv = KVCacheManager(pool, radix, match_margin=1 if with_mtp else 0)
     outputs = OutputProcessor(tokenizer, eos_ids, config.scheduler.enable_jump_forward)
-    # several decode steps a call run where a decode step runs whole on the CPU kernels: one
-    # rank, no drafts to verify, and not batch-invariant (its routers run in torch)
+    # several decode steps a call run where a decode step runs whole on the CPU kernels: bf16,
+    # one rank, no drafts to verify, and not batch-invariant (its routers run in torch; the
+    # model is made so, or not, below as --deterministic says)
     steps_ahead = (
         device.type == "cpu"
+        and model.dtype == torch.bfloat16
         and model.parallel.world_size == 1
         and not spec.enabled
-        and not (config.model.deterministic or model.batch_invariant)
+        and not config.model.deterministic
     )
     decode_steps = config.scheduler.num_scheduler_steps if steps_ahead else 1
     scheduler = Scheduler(config.scheduler, kv, outputs, decode_steps)

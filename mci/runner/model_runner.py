@@ -121,8 +121,8 @@ class ModelRunner:
         """Up to `batch.decode_steps` decode steps in one kernel call (`decode_greedy`), each
         item's tokens one per step run; None where the model cannot (one step runs instead).
         The call ends early after a step that drew a token ending some item (a stop token, or
-        EOS where it counts), once `wake_fd` is readable, or past its time budget (and
-        before a deadline)."""
+        EOS where it counts), once `wake_fd` is readable, or after the step that passes its
+        time budget or an item's deadline."""
         steps, items = batch.decode_steps, batch.items
         slots = [item.request.slots[: item.start + steps] for item in items]
         ahead = stack_slots(slots, max(int(s.shape[0]) for s in slots))
