@@ -336,12 +336,20 @@ class DeepseekV3ForCausalLM(nn.Module):
         inference mode, which the caller enters: no decorator on this per-step path); None
         (nothing run) elsewhere: the caller runs `forward`, then `logits`. Writes the step's
         latents as `forward` does."""
-        absorbed = self.resolve_path(meta, "auto")
-        spans = self._decode_on_kernels(input_ids.shape[0], meta, absorbed, kv_cache)
-        if spans is None or not spans.runs_whole() or spans.ends.head is None:
+        spans = self._spans_with_head(input_ids.shape[0], meta, kv_cache)
+        if spans is None:
             return None
         _, logits = self._whole_step(spans, input_ids, meta, kv_cache, logits=True)
         return logits
+
+    def _spans_with_head(self, rows: int, meta, kv_cache) -> DecoderSpans | None:
+        """The decoder spans of a step of `rows` rows where it runs whole on the kernels,
+        the LM head with it (`decode_logits`, `decode_greedy`); else None."""
+        absorbed = self.resolve_path(meta, "auto")
+        spans = self._decode_on_kernels(rows, meta, absorbed, kv_cache)
+        if spans is None or not spans.runs_whole() or spans.ends.head is None:
+            return None
+        return spans
 
     def decode_greedy(
         self,
@@ -361,11 +369,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         steps - 1]: each row's context slots, then those of its next positions. -> int64
         [steps run, rows], the tokens `sample` draws at temperature 0 from as many
         `decode_logits` steps, the same latents written; None (nothing run) elsewhere."""
-        absorbed = self.resolve_path(meta, "auto")
-        spans = self._decode_on_kernels(input_ids.shape[0], meta, absorbed, kv_cache)
-        if spans is None or not spans.runs_whole() or spans.ends.head is None:
-            return None
-        if slots_ahead.stride(1) != 1:
+        spans = self._spans_with_head(input_ids.shape[0], meta, kv_cache)
+        if spans is None:
             return None
         group = meta.groups[0]
         tables = self.rotary.tables(meta.max_position + steps - 1)
